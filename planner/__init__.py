@@ -1,0 +1,48 @@
+"""Automatic activation-checkpoint planning.
+
+The solver side (``CostGraph``, ``Plan``, ``simulate``, ``solve``) imports only the standard
+library, networkx-free PuLP and nothing from torch. ``optimize`` needs torch and is loaded on
+first use.
+
+Example:
+    >>> import planner
+    >>> sorted(planner.__all__)[:3]
+    ['CostGraph', 'CostNode', 'InfeasibleBudgetError']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.costgraph import CostGraph, CostNode, Storage
+from planner.errors import InfeasibleBudgetError, PlannerError, ProfileError, SolverError, TraceError
+from planner.plan import Plan, Segment
+from planner.simulate import SimulationResult, simulate
+from planner.solve import available_solvers, minimum_peak_plan, solve
+
+__all__ = [
+    "CostGraph",
+    "CostNode",
+    "InfeasibleBudgetError",
+    "Plan",
+    "PlannerError",
+    "ProfileError",
+    "Segment",
+    "SimulationResult",
+    "SolverError",
+    "Storage",
+    "TraceError",
+    "available_solvers",
+    "minimum_peak_plan",
+    "optimize",
+    "simulate",
+    "solve",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "optimize":
+        from planner.pipeline import optimize
+
+        return optimize
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

@@ -1,0 +1,172 @@
+"""The profile of one training step, as plain data: the input of every solver.
+
+A :class:`CostGraph` lists the nodes of the captured FX graph in execution order, with what
+the profiler observed for each (the storages it produced, the storages autograd saved while
+it ran, its time and FLOPs). It imports only the standard library; ``to_frame`` imports
+pandas lazily.
+
+Example:
+    >>> g = CostGraph(
+    ...     nodes=(
+    ...         CostNode(name="x", op="placeholder", kind="input", output_storages=(1,)),
+    ...         CostNode(name="relu", op="aten.relu.default", input_names=("x",),
+    ...                  output_storages=(2,), saved_storages=(2,), output_bytes=400,
+    ...                  requires_grad=True, time_ms=0.1),
+    ...     ),
+    ...     storages=(Storage(1, 400, persistent=True), Storage(2, 400)),
+    ...     output_names=("relu",),
+    ... )
+    >>> g.persistent_bytes
+    400
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas
+
+__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS"]
+
+#: ``compute`` nodes run an op; the others hold step-long tensors.
+NODE_KINDS = ("compute", "input", "param", "buffer", "constant")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One block of memory. ``persistent`` storages (parameters, buffers, inputs) live all step."""
+
+    key: int
+    size_bytes: int
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class CostNode:
+    """What the profiler observed for one FX node.
+
+    Attributes:
+        name: the FX node name, the join key across all stages.
+        op: the op it runs (``aten.addmm.default``, ``placeholder``, ...).
+        kind: one of :data:`NODE_KINDS`.
+        input_names: names of the nodes whose values this node reads.
+        output_storages: keys of the storages its output tensors live in (new or aliased).
+        saved_storages: keys of the storages autograd saved for backward while it ran,
+            deduplicated; may include storages internal to the op.
+        output_bytes: ``numel * element_size`` summed over its tensor outputs (its gradient size).
+        requires_grad: whether any output requires grad.
+        is_alias: the output shares storage with an input (view, getitem, in-place op).
+        time_ms: forward compute time of the node.
+        flops: FLOPs of the node's forward as ``FlopCounterMode`` counts them.
+        recomputable: False for ops that must run exactly once (buffer mutation, I/O).
+        is_random: the op draws random numbers (its recompute needs the RNG state replayed).
+        module: the user's module the node came from, when known.
+    """
+
+    name: str
+    op: str
+    kind: str = "compute"
+    input_names: tuple[str, ...] = ()
+    output_storages: tuple[int, ...] = ()
+    saved_storages: tuple[int, ...] = ()
+    output_bytes: int = 0
+    requires_grad: bool = False
+    is_alias: bool = False
+    time_ms: float = 0.0
+    flops: int = 0
+    recomputable: bool = True
+    is_random: bool = False
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in NODE_KINDS:
+            raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """A profiled training step: nodes in execution order plus the storages they touch.
+
+    ``output_names`` are the values the module returns (held by the caller through backward);
+    ``loss_names`` the ones backward starts from (all differentiable outputs when empty).
+    """
+
+    nodes: tuple[CostNode, ...]
+    storages: tuple[Storage, ...]
+    output_names: tuple[str, ...] = ()
+    loss_names: tuple[str, ...] = ()
+    step_ms: float = 0.0
+    measured_peak_bytes: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError("CostGraph node names must be unique")
+        known = set(names)
+        storage_keys = {s.key for s in self.storages}
+        for node in self.nodes:
+            missing = [i for i in node.input_names if i not in known]
+            if missing:
+                raise ValueError(f"node {node.name!r} reads unknown nodes {missing}")
+            unknown = [k for k in (*node.output_storages, *node.saved_storages) if k not in storage_keys]
+            if unknown:
+                raise ValueError(f"node {node.name!r} refers to unknown storages {unknown}")
+        for name in (*self.output_names, *self.loss_names):
+            if name not in known:
+                raise ValueError(f"output {name!r} is not a node of the graph")
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Position of every node in execution order, by name."""
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    @cached_property
+    def storage_by_key(self) -> dict[int, Storage]:
+        return {s.key: s for s in self.storages}
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Bytes of parameters, buffers and inputs: held for the whole step."""
+        return sum(s.size_bytes for s in self.storages if s.persistent)
+
+    @property
+    def compute_nodes(self) -> tuple[CostNode, ...]:
+        return tuple(n for n in self.nodes if n.kind == "compute")
+
+    @property
+    def forward_ms(self) -> float:
+        return sum(n.time_ms for n in self.nodes)
+
+    @property
+    def forward_flops(self) -> int:
+        return sum(n.flops for n in self.nodes)
+
+    def node(self, name: str) -> CostNode:
+        return self.nodes[self.index[name]]
+
+    def to_frame(self) -> "pandas.DataFrame":
+        """One row per node: name, op, kind, output and saved bytes, time, FLOPs, flags."""
+        import pandas
+
+        sizes = self.storage_by_key
+        rows = [
+            {
+                "name": n.name,
+                "op": n.op,
+                "kind": n.kind,
+                "module": n.module,
+                "output_bytes": n.output_bytes,
+                "saved_bytes": sum(sizes[k].size_bytes for k in n.saved_storages if not sizes[k].persistent),
+                "time_ms": n.time_ms,
+                "flops": n.flops,
+                "requires_grad": n.requires_grad,
+                "recomputable": n.recomputable,
+                "is_random": n.is_random,
+            }
+            for n in self.nodes
+        ]
+        return pandas.DataFrame(rows)

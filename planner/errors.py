@@ -1,0 +1,42 @@
+"""Typed exceptions raised across the pipeline.
+
+All of them derive from :class:`PlannerError`, so ``except PlannerError`` catches every
+failure this package raises on purpose.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PlannerError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError"]
+
+
+class PlannerError(Exception):
+    """Base class of every error raised by the checkpoint planner."""
+
+
+class InfeasibleBudgetError(PlannerError):
+    """No plan keeps the simulated peak under the budget.
+
+    ``min_feasible_bytes`` is the smallest predicted peak any plan reaches, so a user can
+    retry with ``budget_gb`` at or above ``min_feasible_bytes / 2**30``.
+    """
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.min_feasible_bytes = int(min_feasible_bytes)
+        super().__init__(
+            f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below what any plan "
+            f"reaches; the smallest feasible budget is {min_feasible_bytes / 2**30:.4f} GiB "
+            f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size"
+        )
+
+
+class TraceError(PlannerError):
+    """The model could not be captured as an FX graph."""
+
+
+class ProfileError(PlannerError):
+    """Running a node of the captured graph failed while profiling it."""
+
+
+class SolverError(PlannerError):
+    """The integer linear program could not be solved (solver missing, crashed or timed out)."""

@@ -1,0 +1,93 @@
+"""``optimize``: trace, profile, plan and rewrite in one call. The only module here that needs torch.
+
+Example:
+    >>> import torch
+    >>> from planner import optimize
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+    ...                               for _ in range(8)])
+    >>> x = torch.randn(512, 64)
+    >>> opt = optimize(model, (x,), budget_gb=1.0)   # roomy budget: nothing recomputed
+    >>> opt.plan.recomputed_nodes
+    ()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from planner.errors import PlannerError
+from planner.plan import GIB
+from planner.solve import solve
+
+__all__ = ["optimize"]
+
+log = logging.getLogger(__name__)
+
+
+def _budget_bytes(budget_gb: float) -> int:
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+        raise PlannerError(f"budget_gb must be a number of GiB, got {type(budget_gb).__name__}")
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise PlannerError(f"budget_gb must be a positive finite number of GiB, got {budget_gb}")
+    return int(budget_gb * GIB)
+
+
+def optimize(
+    model: Any,
+    example_inputs: Any,
+    budget_gb: float,
+    *,
+    reserve_gb: float = 0.0,
+    trace_method: str = "export",
+    max_stages: int = 32,
+    solver: str | None = None,
+    time_limit_s: float = 60.0,
+    timing_repeats: int = 3,
+) -> Any:
+    """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
+
+    Args:
+        model: an ``nn.Module`` in training mode.
+        example_inputs: a tuple of positional arguments, or a dict of keyword arguments, shaped
+            like a real batch.
+        budget_gb: peak training-step memory allowed, in GiB (2**30 bytes): parameters, buffers,
+            inputs, activations, gradients and temporaries of one forward plus backward.
+        reserve_gb: room set aside inside the budget (e.g. for optimizer state).
+        trace_method: ``"export"`` (default) or ``"symbolic_trace"``.
+        max_stages: how many stages the graph is reduced to before the ILP.
+        solver: ``"HiGHS"`` or ``"CBC"``; the best installed one when None.
+        time_limit_s: solver time limit per solve.
+        timing_repeats: runs per node when timing it.
+
+    Returns:
+        An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
+        parameters and ``state_dict()`` keys, with ``.plan`` (a :class:`planner.Plan`).
+
+    Raises:
+        InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
+        TraceError: the model could not be captured.
+    """
+    import torch
+
+    from profiling.profile import profile_graph
+    from profiling.trace import trace_module
+    from rewrite.apply import apply_plan
+
+    if not isinstance(model, torch.nn.Module):
+        raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    budget_bytes = _budget_bytes(budget_gb) - _budget_bytes(reserve_gb) if reserve_gb else _budget_bytes(budget_gb)
+    if budget_bytes <= 0:
+        raise PlannerError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
+    if not model.training:
+        log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
+    gm = trace_module(model, example_inputs, method=trace_method)
+    graph = profile_graph(gm, example_inputs, timing_repeats=timing_repeats)
+    plan = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+    log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
+             plan.predicted_peak_bytes / GIB, budget_bytes / GIB, len(plan.segments))
+    optimized = apply_plan(gm, plan)
+    optimized.plan = plan
+    optimized.cost_graph = graph
+    return optimized

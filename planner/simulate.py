@@ -1,0 +1,279 @@
+"""Replay one training step of a :class:`CostGraph` under a plan and predict its peak memory.
+
+The replay follows the mechanics of eager autograd with non-reentrant
+``torch.utils.checkpoint``, storage by storage:
+
+* forward: a node allocates the storages it produces (and storages internal to the op that
+  autograd saves); a storage is freed once no later node reads it, nothing saved it for
+  backward, no checkpointed segment holds it as an input and the module does not return it.
+  Inside a checkpointed segment, saves do not hold memory; the segment keeps its inputs.
+* backward, nodes in reverse: each node allocates the gradients of its differentiable inputs
+  (views pass the gradient through), frees its output gradient and releases what it saved.
+  Parameter gradients stay allocated. The first backward node of a segment that needs a
+  saved tensor recomputes the segment (up to its last saving node) into fresh storages.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> g = CostGraph(
+    ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+    ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
+    ...                     saved_storages=(2,), output_bytes=100, requires_grad=True),
+    ...            CostNode("b", "relu", input_names=("a",), output_storages=(3,),
+    ...                     saved_storages=(3,), output_bytes=100, requires_grad=True)),
+    ...     storages=(Storage(1, 100, True), Storage(2, 100), Storage(3, 100)),
+    ...     output_names=("b",))
+    >>> simulate(g).peak_bytes  # input, a, b, b's gradient, then a's gradient
+    500
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from planner.costgraph import CostGraph
+
+__all__ = ["SimulationResult", "simulate", "validate_segments"]
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Predicted memory of one step: the peak, where it happens, and the whole timeline.
+
+    ``timeline`` holds ``(phase, node_name, live_bytes)`` with phase ``forward``,
+    ``recompute`` or ``backward``.
+    """
+
+    peak_bytes: int
+    peak_phase: str
+    peak_node: str
+    timeline: tuple[tuple[str, str, int], ...]
+
+
+def validate_segments(graph: CostGraph, segments: Iterable[Sequence[str]]) -> list[list[int]]:
+    """Check that each segment is a contiguous run of recomputable compute nodes, disjoint.
+
+    Returns the segments as sorted lists of node indices. Raises ``ValueError`` otherwise.
+    """
+    out: list[list[int]] = []
+    taken: set[int] = set()
+    compute_positions = [i for i, n in enumerate(graph.nodes) if n.kind == "compute"]
+    rank = {pos: r for r, pos in enumerate(compute_positions)}
+    for seg in segments:
+        idx = sorted(graph.index[name] for name in seg)
+        if not idx:
+            raise ValueError("empty segment")
+        for i in idx:
+            node = graph.nodes[i]
+            if node.kind != "compute" or not node.recomputable:
+                raise ValueError(f"node {node.name!r} cannot be recomputed")
+            if i in taken:
+                raise ValueError(f"node {node.name!r} is in two segments")
+        ranks = [rank[i] for i in idx]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            raise ValueError(f"segment starting at {graph.nodes[idx[0]].name!r} is not contiguous")
+        taken.update(idx)
+        out.append(idx)
+    return out
+
+
+class _Memory:
+    """Reference-counted live storages and the running total."""
+
+    def __init__(self, base_bytes: int) -> None:
+        self.live_bytes = base_bytes
+        self.refs: dict[object, int] = {}
+        self.size: dict[object, int] = {}
+        self.peak_bytes = base_bytes
+        self.peak_at: tuple[str, str] = ("start", "")
+        self.timeline: list[tuple[str, str, int]] = []
+
+    def alloc(self, key: object, size_bytes: int) -> bool:
+        if key in self.refs:
+            return False
+        self.refs[key] = 0
+        self.size[key] = size_bytes
+        self.live_bytes += size_bytes
+        return True
+
+    def hold(self, key: object) -> None:
+        if key in self.refs:
+            self.refs[key] += 1
+
+    def release(self, key: object) -> None:
+        if key not in self.refs:
+            return
+        self.refs[key] -= 1
+        if self.refs[key] <= 0:
+            self.free(key)
+
+    def free_if_unheld(self, key: object) -> None:
+        if key in self.refs and self.refs[key] <= 0:
+            self.free(key)
+
+    def free(self, key: object) -> None:
+        del self.refs[key]
+        self.live_bytes -= self.size.pop(key)
+
+    def observe(self, phase: str, node: str, extra_bytes: int = 0) -> None:
+        now = self.live_bytes + extra_bytes
+        self.timeline.append((phase, node, now))
+        if now > self.peak_bytes:
+            self.peak_bytes = now
+            self.peak_at = (phase, node)
+
+
+def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> SimulationResult:
+    """Predict the peak bytes of one forward plus backward with ``segments`` recomputed.
+
+    ``segments`` are lists of node names; each must be a contiguous run of recomputable
+    compute nodes (see :func:`validate_segments`). No segments is the unoptimized step.
+    """
+    seg_indices = validate_segments(graph, segments)
+    nodes = graph.nodes
+    sizes = graph.storage_by_key
+    persistent = {k for k, s in sizes.items() if s.persistent}
+    seg_of: dict[int, int] = {i: s for s, idx in enumerate(seg_indices) for i in idx}
+
+    value_storages = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in nodes}
+    last_use: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for k in value_storages[node.name]:
+            last_use[k] = max(last_use.get(k, i), i)
+        for name in node.input_names:
+            for k in value_storages[name]:
+                last_use[k] = max(last_use.get(k, i), i)
+    returned = {k for name in graph.output_names for k in value_storages[name]}
+
+    # Storages each segment keeps as inputs: read inside, produced before it.
+    seg_inputs: list[set[int]] = []
+    for idx in seg_indices:
+        inside = {nodes[i].name for i in idx}
+        keep: set[int] = set()
+        for i in idx:
+            for name in nodes[i].input_names:
+                if name not in inside:
+                    keep.update(value_storages[name])
+        seg_inputs.append(keep)
+
+    mem = _Memory(sum(sizes[k].size_bytes for k in persistent))
+
+    # ---- forward ----
+    for i, node in enumerate(nodes):
+        s = seg_of.get(i)
+        if s is not None and i == seg_indices[s][0]:
+            for k in seg_inputs[s]:
+                mem.hold(k)
+        for k in (*node.output_storages, *node.saved_storages):
+            if k in persistent:
+                continue
+            if mem.alloc(k, sizes[k].size_bytes):
+                if last_use.get(k, i) > i or k in returned:
+                    mem.hold(k)  # the forward reference, dropped after the last reader
+        if s is None:
+            for k in set(node.saved_storages) - persistent:
+                mem.hold(k)
+        mem.observe("forward", node.name)
+        for k in set((*node.output_storages, *node.saved_storages)) - persistent:
+            mem.free_if_unheld(k)
+        read = {k for name in node.input_names for k in value_storages[name]}
+        for k in read:
+            if last_use.get(k) == i and k not in returned:
+                mem.release(k)
+
+    # ---- backward ----
+    def grad_key(name: str) -> object:
+        node = nodes[graph.index[name]]
+        if node.kind == "param" and node.output_storages:
+            return ("grad", node.output_storages[0])  # tied weights share one .grad
+        return ("grad", name)
+
+    differentiable = {n.name for n in nodes if n.requires_grad}
+    starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
+    for name in starts:
+        if name in differentiable:
+            mem.alloc(grad_key(name), nodes[graph.index[name]].output_bytes)
+            mem.hold(grad_key(name))
+
+    recomputed: set[int] = set()
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if node.kind != "compute":
+            continue
+        s = seg_of.get(i)
+        own = grad_key(node.name)
+        runs_backward = own in mem.refs
+        if runs_backward and s is not None and s not in recomputed and node.saved_storages:
+            recomputed.add(s)
+            _recompute(graph, seg_indices[s], seg_inputs[s], persistent, mem)
+        if runs_backward:
+            transient = 0
+            grads_made: list[object] = []
+            for name in dict.fromkeys(node.input_names):
+                if name not in differentiable:
+                    continue
+                key = grad_key(name)
+                size = nodes[graph.index[name]].output_bytes
+                if key in mem.refs:
+                    transient += 0 if node.is_alias else size  # summed into the existing buffer
+                elif node.is_alias and not grads_made and own in mem.refs:
+                    mem.alloc(key, 0)  # a view of the output gradient
+                    mem.hold(key)
+                    mem.size[key] = mem.size[own]
+                    mem.size[own] = 0
+                    grads_made.append(key)
+                else:
+                    mem.alloc(key, size)
+                    mem.hold(key)
+                    grads_made.append(key)
+            mem.observe("backward", node.name, transient)
+            mem.release(own)
+        for k in set(node.saved_storages) - persistent:
+            if s is None:
+                mem.release(k)
+            else:
+                mem.release(("recomputed", k))
+        if s is not None and i == seg_indices[s][0]:
+            for k in seg_inputs[s]:
+                mem.release(k)
+
+    return SimulationResult(
+        peak_bytes=mem.peak_bytes,
+        peak_phase=mem.peak_at[0],
+        peak_node=mem.peak_at[1],
+        timeline=tuple(mem.timeline),
+    )
+
+
+def _recompute(
+    graph: CostGraph, idx: list[int], inputs: set[int], persistent: set[int], mem: _Memory
+) -> None:
+    """Re-run a segment's forward into fresh storages, up to its last saving node."""
+    nodes = graph.nodes
+    sizes = graph.storage_by_key
+    stop = max(i for i in idx if nodes[i].saved_storages)
+    run = [i for i in idx if i <= stop]
+    inside = {nodes[i].name for i in run}
+    last_use: dict[int, int] = {}
+    for i in run:
+        for k in nodes[i].output_storages:
+            last_use[k] = max(last_use.get(k, i), i)
+        for name in nodes[i].input_names:
+            if name in inside:
+                for k in nodes[graph.index[name]].output_storages:
+                    last_use[k] = max(last_use.get(k, i), i)
+    for i in run:
+        node = nodes[i]
+        fresh = [k for k in (*node.output_storages, *node.saved_storages) if k not in persistent and k not in inputs]
+        for k in fresh:
+            if mem.alloc(("recomputed", k), sizes[k].size_bytes) and last_use.get(k, i) > i:
+                mem.hold(("recomputed", k))
+        for k in set(node.saved_storages) - persistent - inputs:
+            mem.hold(("recomputed", k))
+        mem.observe("recompute", node.name)
+        for k in set(fresh):
+            mem.free_if_unheld(("recomputed", k))
+        read = {k for name in node.input_names if name in inside for k in nodes[graph.index[name]].output_storages}
+        for k in read - inputs - persistent:
+            if last_use.get(k) == i:
+                mem.release(("recomputed", k))

@@ -1,0 +1,184 @@
+"""One training step (forward plus backward) and its measured peak memory and FLOPs.
+
+Peak training-step memory is the most bytes held by live tensors at any moment of one
+forward plus backward, counting parameters, buffers, inputs, activations, gradients and
+temporaries. On CUDA it is ``torch.cuda.max_memory_allocated``; on CPU it is the running sum
+of the allocator's allocation and free events recorded by ``torch.profiler`` with
+``profile_memory=True``, on top of the bytes already held by parameters, buffers and inputs.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 4)
+    >>> inputs = StepInputs.from_example((torch.randn(2, 4),))
+    >>> measure_step_peak_bytes(model, inputs) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from planner.errors import PlannerError
+
+__all__ = [
+    "StepInputs",
+    "loss_of",
+    "run_step",
+    "measure_step_peak_bytes",
+    "measure_step_flops",
+    "preserved_state",
+]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Example inputs as positional ``args`` and keyword ``kwargs``."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_example(cls, example_inputs: Any) -> "StepInputs":
+        """Accept a tuple (or list) of positional arguments, a dict of keyword arguments, or one tensor."""
+        if isinstance(example_inputs, StepInputs):
+            return example_inputs
+        if isinstance(example_inputs, torch.Tensor):
+            return cls((example_inputs,), {})
+        if isinstance(example_inputs, (tuple, list)):
+            return cls(tuple(example_inputs), {})
+        if isinstance(example_inputs, Mapping):
+            return cls((), dict(example_inputs))
+        raise PlannerError(
+            f"example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
+            f"got {type(example_inputs).__name__}"
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar backward starts from: a ``loss`` field if the output has one, else the sum
+    of every floating-point output that requires grad."""
+    loss = None
+    if isinstance(output, Mapping) or hasattr(output, "keys"):
+        try:
+            loss = output["loss"]
+        except (KeyError, TypeError, IndexError):
+            loss = None
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss if loss.dim() == 0 else loss.sum()
+    parts = [
+        t.sum()
+        for t in tree_leaves(output if not hasattr(output, "to_tuple") else output.to_tuple())
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+    if not parts:
+        raise PlannerError("the module's output has no floating-point tensor that requires grad: nothing to train")
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def run_step(module: torch.nn.Module, inputs: StepInputs) -> Any:
+    """Forward plus backward once; returns the module's output (held until the step ends)."""
+    output = module(*inputs.args, **inputs.kwargs)
+    loss_of(output).backward()
+    return output
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Run a measurement without side effects: RNG, buffers and ``.grad`` are restored."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            for p in params:
+                p.grad = None
+            yield
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+def _held_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
+    """Bytes of the distinct storages of parameters, buffers and inputs."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers(), *inputs.tensors()]:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _device_of(module: torch.nn.Module, inputs: StepInputs) -> torch.device:
+    for t in [*module.parameters(), *inputs.tensors()]:
+        return t.device
+    return torch.device("cpu")
+
+
+def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
+    """Peak bytes of one forward plus backward, measured at the allocator.
+
+    RNG state, buffers and existing ``.grad`` are restored afterwards.
+    """
+    device = _device_of(module, inputs)
+    with preserved_state(module):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            output = run_step(module, inputs)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            del output
+            return int(peak)
+        baseline = _held_bytes(module, inputs)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            output = run_step(module, inputs)
+            del output
+        return baseline + _running_peak_bytes(prof)
+
+
+def _running_peak_bytes(prof: torch.profiler.profile) -> int:
+    """Highest running sum of allocation (+) and free (-) events, in time order."""
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if str(node.tag).endswith("Allocation") and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
+        stack.extend(node.children)
+    events.sort(key=lambda e: e[0])
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def measure_step_flops(module: torch.nn.Module, inputs: StepInputs) -> int:
+    """FLOPs of one forward plus backward as ``FlopCounterMode`` counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with preserved_state(module):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            output = run_step(module, inputs)
+            del output
+        return int(counter.get_total_flops())

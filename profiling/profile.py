@@ -1,0 +1,287 @@
+"""Run a captured graph once and record, for every node, what the planner needs.
+
+For each FX node: the storages its outputs live in, the storages autograd saves for backward
+while it runs (observed with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by
+storage), its output bytes, its forward time (CUDA events on a GPU, a repeated timer on CPU)
+and its FLOPs (``FlopCounterMode``), plus whether it draws random numbers or mutates state.
+The interpreter follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
+
+Example:
+    >>> import torch
+    >>> from profiling.trace import trace_module
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    >>> x = torch.randn(4, 8)
+    >>> graph = profile_graph(trace_module(model, (x,)), (x,))
+    >>> graph.node("relu").output_bytes
+    128
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.costgraph import CostGraph, CostNode, Storage
+from planner.errors import ProfileError
+from profiling.measure import StepInputs, loss_of, measure_step_peak_bytes, preserved_state, run_step
+
+__all__ = ["profile_graph", "flat_graph_inputs"]
+
+log = logging.getLogger(__name__)
+
+
+def flat_graph_inputs(gm: torch.fx.GraphModule, inputs: StepInputs) -> list[Any]:
+    """The values of the graph's placeholders, in order, for ``gm(*inputs.args, **inputs.kwargs)``."""
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is not None:
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(inputs.args)
+    for node in placeholders[len(values):]:
+        if node.target in inputs.kwargs:
+            values.append(inputs.kwargs[node.target])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise ProfileError(f"no example value for input {node.target!r}")
+    return values
+
+
+class _StorageTable:
+    """Gives every distinct storage seen during the run a small integer key."""
+
+    def __init__(self) -> None:
+        self.key_of_ptr: dict[int, int] = {}
+        self.storages: list[Storage] = []
+        self.keep: list[torch.Tensor] = []  # no storage is freed, so no address is reused
+
+    def key(self, t: torch.Tensor, persistent: bool = False) -> int | None:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None
+        ptr = storage.data_ptr()
+        if ptr not in self.key_of_ptr:
+            self.key_of_ptr[ptr] = len(self.storages)
+            self.storages.append(Storage(len(self.storages), nbytes, persistent))
+            self.keep.append(t)
+        return self.key_of_ptr[ptr]
+
+    def known(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.key_of_ptr
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _is_mutating(node: torch.fx.Node) -> bool:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    if node.op == "call_module":
+        return str(node.target).startswith("_guards")
+    return False
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return True
+    name = str(node.target)
+    return any(word in name for word in ("dropout", "rand", "bernoulli", "normal", "multinomial"))
+
+
+def _module_of(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(list(stack.values())[-1][0])
+    return str(node.target) if node.op == "call_module" else ""
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return float(start.elapsed_time(end))
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return cpu_time
+
+
+class _ProfilingInterpreter(torch.fx.Interpreter):
+    """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
+
+    def __init__(self, gm: torch.fx.GraphModule, table: _StorageTable, timing_repeats: int,
+                 device: torch.device) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.table = table
+        self.timing_repeats = timing_repeats
+        self.time = _timer(device)
+        self.records: dict[str, dict[str, Any]] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        counter = FlopCounterMode(display=False)
+        result: Any = None
+
+        def run_once() -> None:
+            nonlocal result
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+                result = super(_ProfilingInterpreter, self).run_node(n)
+
+        try:
+            times = [self.time(run_once)]
+        except Exception as exc:
+            where = n.meta.get("stack_trace", "").strip().splitlines()[-1:] or [""]
+            raise ProfileError(
+                f"node {n.name!r} ({n.op} {n.target}) failed while profiling: {type(exc).__name__}: {exc} "
+                f"{where[0].strip()}"
+            ) from exc
+        flops = int(counter.get_total_flops())
+        mutating = _is_mutating(n)
+        if n.op in ("call_function", "call_method") and not mutating and self.timing_repeats > 1:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            fn = getattr(args[0], n.target) if n.op == "call_method" else n.target
+            call_args = args[1:] if n.op == "call_method" else args
+            with torch.random.fork_rng(devices=[]):
+                for _ in range(self.timing_repeats - 1):
+                    times.append(self.time(lambda: fn(*call_args, **kwargs)))
+        self.records[n.name] = {
+            "result": result,
+            "saved": saved,
+            "flops": flops,
+            "time_ms": statistics.median(times),
+            "mutating": mutating,
+        }
+        return result
+
+
+def profile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Any,
+    *,
+    timing_repeats: int = 3,
+    measure_peak: bool = True,
+    step_repeats: int = 3,
+) -> CostGraph:
+    """Profile one forward plus backward of ``gm`` on ``example_inputs``.
+
+    RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
+    model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
+    allocator and stored as ``measured_peak_bytes``.
+    """
+    inputs = StepInputs.from_example(example_inputs)
+    flat = flat_graph_inputs(gm, inputs)
+    tensors = [t for t in (*gm.parameters(), *gm.buffers(), *inputs.tensors())]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    table = _StorageTable()
+    for t in (*gm.parameters(), *gm.buffers(), *_tensors(flat)):
+        table.key(t, persistent=True)
+    for name, value in vars(gm).items():  # lifted tensor constants
+        if isinstance(value, torch.Tensor):
+            table.key(value, persistent=True)
+
+    interp = _ProfilingInterpreter(gm, table, timing_repeats, device)
+    with preserved_state(gm):
+        flat_out = interp.run(*flat, enable_io_processing=False)
+        out_spec = getattr(gm, "_out_spec", None)
+        leaves = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
+        output = tree_unflatten(leaves, out_spec) if out_spec is not None else flat_out
+        loss = loss_of(output)
+        loss.backward()
+        step_times = []
+        timer = _timer(device)
+        for _ in range(step_repeats):
+            step_times.append(timer(lambda: run_step(gm, inputs)))
+        nodes = _cost_nodes(gm, interp, table)
+        output_node = next(n for n in gm.graph.nodes if n.op == "output")
+        output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
+        loss_names = tuple(
+            name for name in output_names if interp.records[name]["result"] is loss
+        )
+        del loss, output, flat_out, leaves
+    graph = CostGraph(
+        nodes=nodes,
+        storages=tuple(table.storages),
+        output_names=output_names,
+        loss_names=loss_names,
+        step_ms=statistics.median(step_times) if step_times else 0.0,
+        measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak else None,
+        metadata={"device": str(device)},
+    )
+    log.info("profiled %d nodes, %d storages", len(nodes), len(table.storages))
+    return graph
+
+
+def _cost_nodes(gm: torch.fx.GraphModule, interp: _ProfilingInterpreter, table: _StorageTable) -> tuple[CostNode, ...]:
+    nodes: list[CostNode] = []
+    params = {id(p) for p in gm.parameters()}
+    buffers = {id(b) for b in gm.buffers()}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        rec = interp.records[n.name]
+        outs = _tensors(rec["result"])
+        if n.op == "placeholder":
+            kind = "input"
+        elif n.op == "get_attr":
+            kind = "param" if any(id(t) in params for t in outs) else (
+                "buffer" if any(id(t) in buffers for t in outs) else "constant")
+        else:
+            kind = "compute"
+        inputs = tuple(dict.fromkeys(a.name for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, torch.fx.Node)))
+        input_ptrs = {
+            t.untyped_storage().data_ptr()
+            for name in inputs
+            for t in _tensors(interp.records[name]["result"])
+        }
+        out_keys = [k for t in outs if (k := table.key(t, persistent=kind != "compute")) is not None]
+        saved_keys = [k for t in rec["saved"] if (k := table.key(t)) is not None]
+        is_alias = kind == "compute" and bool(outs) and all(
+            t.untyped_storage().data_ptr() in input_ptrs for t in outs
+        )
+        nodes.append(
+            CostNode(
+                name=n.name,
+                op=str(n.target) if n.op != "placeholder" else "placeholder",
+                kind=kind,
+                input_names=inputs,
+                output_storages=tuple(dict.fromkeys(out_keys)),
+                saved_storages=tuple(dict.fromkeys(saved_keys)),
+                output_bytes=sum(t.numel() * t.element_size() for t in outs if t.is_floating_point() or t.is_complex()),
+                requires_grad=any(t.requires_grad for t in outs),
+                is_alias=is_alias,
+                time_ms=rec["time_ms"] if kind == "compute" else 0.0,
+                flops=rec["flops"] if kind == "compute" else 0,
+                recomputable=kind == "compute" and not rec["mutating"],
+                is_random=kind == "compute" and _is_random(n),
+                module=_module_of(n),
+            )
+        )
+    return tuple(nodes)
