@@ -64,6 +64,9 @@ class CostNode:
         recomputable: False for ops that must run exactly once (buffer mutation, I/O).
         is_random: the op draws random numbers (its recompute needs the RNG state replayed).
         module: the user's module the node came from, when known.
+        forward_peak_bytes: measured bytes the node's forward allocates at its high point,
+            temporaries included (0 when unknown: the simulator then uses tensor sizes alone).
+        backward_peak_bytes: the same for the node's backward.
     """
 
     name: str
@@ -80,6 +83,8 @@ class CostNode:
     recomputable: bool = True
     is_random: bool = False
     module: str = ""
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:

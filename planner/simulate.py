@@ -11,6 +11,9 @@ The replay follows the mechanics of eager autograd with non-reentrant
   (views pass the gradient through), frees its output gradient and releases what it saved.
   Parameter gradients stay allocated. The first backward node of a segment that needs a
   saved tensor recomputes the segment (up to its last saving node) into fresh storages.
+* temporaries: where the profile measured that a node's forward or backward allocates more
+  at its high point (``forward_peak_bytes``, ``backward_peak_bytes``) than the tensors the
+  replay accounts for, the difference is added at that node.
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -164,16 +167,18 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
                 mem.hold(k)
+        new_bytes = 0
         for k in (*node.output_storages, *node.saved_storages):
             if k in persistent:
                 continue
             if mem.alloc(k, sizes[k].size_bytes):
+                new_bytes += sizes[k].size_bytes
                 if last_use.get(k, i) > i or k in returned:
                     mem.hold(k)  # the forward reference, dropped after the last reader
         if s is None:
             for k in set(node.saved_storages) - persistent:
                 mem.hold(k)
-        mem.observe("forward", node.name)
+        mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
         for k in set((*node.output_storages, *node.saved_storages)) - persistent:
             mem.free_if_unheld(k)
         read = {k for name in node.input_names for k in value_storages[name]}
@@ -208,6 +213,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
             _recompute(graph, seg_indices[s], seg_inputs[s], persistent, mem)
         if runs_backward:
             transient = 0
+            new_bytes = 0
             grads_made: list[object] = []
             for name in dict.fromkeys(node.input_names):
                 if name not in differentiable:
@@ -225,8 +231,9 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
                 else:
                     mem.alloc(key, size)
                     mem.hold(key)
+                    new_bytes += size
                     grads_made.append(key)
-            mem.observe("backward", node.name, transient)
+            mem.observe("backward", node.name, max(transient, node.backward_peak_bytes - new_bytes))
             mem.release(own)
         for k in set(node.saved_storages) - persistent:
             if s is None:
@@ -265,12 +272,15 @@ def _recompute(
     for i in run:
         node = nodes[i]
         fresh = [k for k in (*node.output_storages, *node.saved_storages) if k not in persistent and k not in inputs]
+        new_bytes = 0
         for k in fresh:
-            if mem.alloc(("recomputed", k), sizes[k].size_bytes) and last_use.get(k, i) > i:
-                mem.hold(("recomputed", k))
+            if mem.alloc(("recomputed", k), sizes[k].size_bytes):
+                new_bytes += sizes[k].size_bytes
+                if last_use.get(k, i) > i:
+                    mem.hold(("recomputed", k))
         for k in set(node.saved_storages) - persistent - inputs:
             mem.hold(("recomputed", k))
-        mem.observe("recompute", node.name)
+        mem.observe("recompute", node.name, max(0, node.forward_peak_bytes - new_bytes))
         for k in set(fresh):
             mem.free_if_unheld(("recomputed", k))
         read = {k for name in node.input_names if name in inside for k in nodes[graph.index[name]].output_storages}

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import ProfileError
 from profiling.measure import StepInputs, loss_of, measure_step_peak_bytes, preserved_state, run_step
+from profiling.temporaries import measure_node_peaks
 
 __all__ = ["profile_graph", "flat_graph_inputs"]
 
@@ -219,7 +220,8 @@ def profile_graph(
         timer = _timer(device)
         for _ in range(step_repeats):
             step_times.append(timer(lambda: run_step(gm, inputs)))
-        nodes = _cost_nodes(gm, interp, table)
+        forward_peaks, backward_peaks = measure_node_peaks(gm, inputs)
+        nodes = _cost_nodes(gm, interp, table, forward_peaks, backward_peaks)
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
         loss_names = tuple(
@@ -239,7 +241,13 @@ def profile_graph(
     return graph
 
 
-def _cost_nodes(gm: torch.fx.GraphModule, interp: _ProfilingInterpreter, table: _StorageTable) -> tuple[CostNode, ...]:
+def _cost_nodes(
+    gm: torch.fx.GraphModule,
+    interp: _ProfilingInterpreter,
+    table: _StorageTable,
+    forward_peaks: dict[str, int],
+    backward_peaks: dict[str, int],
+) -> tuple[CostNode, ...]:
     nodes: list[CostNode] = []
     params = {id(p) for p in gm.parameters()}
     buffers = {id(b) for b in gm.buffers()}
@@ -282,6 +290,8 @@ def _cost_nodes(gm: torch.fx.GraphModule, interp: _ProfilingInterpreter, table: 
                 recomputable=kind == "compute" and not rec["mutating"],
                 is_random=kind == "compute" and _is_random(n),
                 module=_module_of(n),
+                forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
+                backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
             )
         )
     return tuple(nodes)
