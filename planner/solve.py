@@ -2,9 +2,13 @@
 
 The graph is first reduced to stages (:mod:`planner.stages`). A binary variable ``y[a, b]``
 says that stages ``a..b`` run as one checkpointed segment. The ILP minimises the forward time
-of everything recomputed subject to a linear account of memory at every stage, in the forward
-(activations stored so far) and in the backward (stored activations of earlier stages, the
-segment being recomputed, parameter gradients accumulated so far, gradients in flight).
+of everything recomputed subject to a memory account at every stage, in the forward and in
+the backward. Memory is tracked storage by storage: a continuous ``held[k, j]`` is at least
+1 when a stage at or before ``j`` that saves storage ``k`` is not recomputed, or when a
+chosen segment starting at or before ``j`` takes ``k`` as an input; ``held`` never
+decreases with ``j`` (backward releases a storage only after its earliest holder ran). A
+segment being recomputed adds the fresh copies of what its stages up to ``j`` save. Parameter
+gradients accumulated so far, gradients in flight and measured temporaries are constants.
 
 The linear account is an approximation; :func:`planner.simulate.simulate` is the judge. Each
 solution is replayed there, and when its simulated peak exceeds the budget the ILP is solved
@@ -49,18 +53,28 @@ _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 
 @dataclass(frozen=True)
 class _StageModel:
-    """Per-stage numbers of the linear memory account, in MiB, and recompute times in ms."""
+    """The numbers of the linear memory account, in MiB, and recompute times in ms.
+
+    Memory is accounted storage by storage. A storage stays held while any of its holders
+    has not run backward: a stage that saves it and is not recomputed, or a checkpointed
+    segment that takes it as an input. ``holders[k]`` lists ``(stage, kind, ref)`` with kind
+    ``"saver"`` (ref: the stage) or ``"input"`` (ref: the segment).
+    """
 
     stages: list[Stage]
-    persistent: float
-    returned: float
-    saved: list[float]
+    base: float
+    sizes: dict[int, float]
+    produced_at: dict[int, int]
+    forward_live: list[float]
+    forward_live_keys: list[set[int]]
+    holders: dict[int, list[tuple[int, str, object]]]
     param_grads: list[float]
     grads_in_flight: list[float]
     forward_transient: list[float]
     time_ms: list[float]
     flops: list[int]
-    segment_inputs: dict[tuple[int, int], float]
+    segments: list[tuple[int, int]]
+    recomputed: dict[tuple[int, int], float]
 
 
 def available_solvers() -> list[str]:
@@ -86,99 +100,123 @@ def _make_solver(name: str | None, time_limit_s: float) -> tuple[str, pulp.LpSol
 
 
 def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int) -> _StageModel:
-    sizes = graph.storage_by_key
-    persistent_keys = {k for k, s in sizes.items() if s.persistent}
+    sizes_b = graph.storage_by_key
+    persistent = {k for k, s in sizes_b.items() if s.persistent}
     stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
-    nodes = graph.nodes
     k_count = len(stages)
+    nodes = [n for n in graph.nodes if n.name in stage_of]
+    differentiable = {n.name for n in graph.nodes if n.requires_grad}
 
-    saved = [0.0] * k_count
-    first_saver: dict[int, int] = {}
+    returned = {k for name in graph.output_names for k in graph.node(name).output_storages} - persistent
+    starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
+    base_bytes = graph.persistent_bytes + sum(sizes_b[k].size_bytes for k in returned)
+    base_bytes += sum(graph.node(n).output_bytes for n in starts)
+
+    produced_at: dict[int, int] = {}
+    last_read: dict[int, int] = {}
+    savers: dict[int, set[int]] = {}
+    reads: list[set[int]] = [set() for _ in stages]
+    saves: list[set[int]] = [set() for _ in stages]
+    time_ms = [0.0] * k_count
+    flops = [0] * k_count
+    transient = [0.0] * k_count
+    grads = [0.0] * k_count
     for node in nodes:
-        j = stage_of.get(node.name)
-        if j is None:
-            continue
+        j = stage_of[node.name]
+        time_ms[j] += node.time_ms
+        flops[j] += node.flops
+        for k in (*node.output_storages, *node.saved_storages):
+            if k not in persistent:
+                produced_at.setdefault(k, j)
+                last_read[k] = max(last_read.get(k, j), j)
         for k in node.saved_storages:
-            if k not in persistent_keys and k not in first_saver:
-                first_saver[k] = j
-    for k, j in first_saver.items():
-        saved[j] += sizes[k].size_bytes / MIB
+            if k not in persistent:
+                savers.setdefault(k, set()).add(j)
+                saves[j].add(k)
+        for name in node.input_names:
+            for k in graph.node(name).output_storages:
+                if k not in persistent:
+                    reads[j].add(k)
+                    last_read[k] = max(last_read.get(k, j), j)
+        transient[j] = max(transient[j], node.forward_peak_bytes / MIB, node.output_bytes / MIB)
+        if node.requires_grad:
+            inputs = sum(graph.node(n).output_bytes for n in set(node.input_names) if n in differentiable
+                         and graph.node(n).kind == "compute")
+            grads[j] = max(grads[j], (node.output_bytes + max(inputs, node.backward_peak_bytes)) / MIB)
+
+    # gradients of values made before stage j and read after it are held during j's backward
+    crossing_grads = [0.0] * k_count
+    for node in nodes:
+        if node.name not in differentiable or node.is_alias:
+            continue
+        p = stage_of[node.name]
+        readers = [stage_of[u.name] for u in nodes if node.name in u.input_names]
+        if readers:
+            for j in range(p + 1, max(readers)):
+                crossing_grads[j] += node.output_bytes / MIB
+    grads = [g + c for g, c in zip(grads, crossing_grads)]
 
     param_last_stage: dict[int, int] = {}
     param_bytes: dict[int, int] = {}
     for node in nodes:
-        j = stage_of.get(node.name)
-        if j is None:
-            continue
         for name in node.input_names:
             src = graph.node(name)
             if src.kind == "param" and src.requires_grad and src.output_storages:
                 key = src.output_storages[0]
-                param_last_stage[key] = max(param_last_stage.get(key, j), j)
+                param_last_stage[key] = max(param_last_stage.get(key, -1), stage_of[node.name])
                 param_bytes[key] = src.output_bytes
     param_grads = [0.0] * k_count
     for key, j in param_last_stage.items():
         for i in range(j + 1):
             param_grads[i] += param_bytes[key] / MIB
 
-    differentiable = {n.name for n in nodes if n.requires_grad}
-    grads = [0.0] * k_count
-    transient = [0.0] * k_count
-    time_ms = [0.0] * k_count
-    flops = [0] * k_count
-    for node in nodes:
-        j = stage_of.get(node.name)
-        if j is None:
+    forward_live = [0.0] * k_count
+    forward_live_keys: list[set[int]] = [set() for _ in stages]
+    for k, p in produced_at.items():
+        if k in returned:
             continue
-        time_ms[j] += node.time_ms
-        flops[j] += node.flops
-        if not node.is_alias:
-            transient[j] = max(transient[j], node.output_bytes / MIB)
-        if node.requires_grad:
-            inputs = sum(graph.node(n).output_bytes for n in set(node.input_names) if n in differentiable)
-            grads[j] = max(grads[j], (node.output_bytes + inputs) / MIB)
+        for j in range(p, last_read[k]):
+            forward_live[j] += sizes_b[k].size_bytes / MIB
+            forward_live_keys[j].add(k)
 
-    producer_stage: dict[int, int] = {}
-    readers: list[set[int]] = [set() for _ in stages]
-    for node in nodes:
-        j = stage_of.get(node.name)
-        if j is None:
-            continue
-        for k in node.output_storages:
-            if k not in persistent_keys:
-                producer_stage.setdefault(k, j)
-        for name in node.input_names:
-            readers[j].update(k for k in graph.node(name).output_storages if k not in persistent_keys)
-    segment_inputs: dict[tuple[int, int], float] = {}
+    holders: dict[int, list[tuple[int, str, object]]] = {}
+    for k, qs in savers.items():
+        if k not in returned:
+            holders.setdefault(k, []).extend((q, "saver", q) for q in qs)
+    segments: list[tuple[int, int]] = []
+    recomputed: dict[tuple[int, int], float] = {}
     for a in range(k_count):
-        held: set[int] = set()
-        total = 0.0
+        seen: set[int] = set()
+        fresh = 0.0
+        for j in range(a, k_count):
+            for k in saves[j]:
+                if k not in seen and produced_at[k] >= a:
+                    seen.add(k)
+                    fresh += sizes_b[k].size_bytes / MIB
+            recomputed[(a, j)] = fresh
+        inputs: set[int] = set()
         for b in range(a, min(k_count, a + max_segment_stages)):
             if not stages[b].recomputable:
                 break
-            for k in readers[b]:
-                if k not in held and producer_stage.get(k, -1) < a:
-                    held.add(k)
-                    total += sizes[k].size_bytes / MIB
-            segment_inputs[(a, b)] = total
-
-    returned = sum(
-        sizes[k].size_bytes for k in {k for n in graph.output_names for k in graph.node(n).output_storages}
-        if k not in persistent_keys
-    ) / MIB
-    starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
-    returned += sum(graph.node(n).output_bytes for n in starts) / MIB
+            segments.append((a, b))
+            inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
+            for k in inputs - returned:
+                holders.setdefault(k, []).append((a, "input", (a, b)))
     return _StageModel(
         stages=stages,
-        persistent=graph.persistent_bytes / MIB,
-        returned=returned,
-        saved=saved,
+        base=base_bytes / MIB,
+        sizes={k: sizes_b[k].size_bytes / MIB for k in produced_at},
+        produced_at=produced_at,
+        forward_live=forward_live,
+        forward_live_keys=forward_live_keys,
+        holders=holders,
         param_grads=param_grads,
         grads_in_flight=grads,
         forward_transient=transient,
         time_ms=time_ms,
         flops=flops,
-        segment_inputs=segment_inputs,
+        segments=segments,
+        recomputed=recomputed,
     )
 
 
@@ -194,59 +232,58 @@ def _solve_ilp(
     when the model is infeasible.
     """
     k_count = len(model.stages)
-    segs = list(model.segment_inputs)
+    segs = model.segments
     name, solver = _make_solver(solver_name, time_limit_s)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
-    y = {s: pulp.LpVariable(f"y_{s[0]}_{s[1]}", cat="Binary") for s in segs}
+    y = {s: pulp.LpVariable(f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
     total_ms = sum(model.time_ms) or 1.0
-    cost = pulp.lpSum(
-        y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs
-    )
+    cost = pulp.lpSum(y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs)
     if budget_mib is None:
         peak = pulp.LpVariable("peak_mib", lowBound=0)
-        bound = peak
+        bound: pulp.LpAffineExpression | float = peak
         prob += peak + 1e-6 * cost / total_ms
     else:
         bound = budget_mib
         prob += cost
     covering: list[list[tuple[int, int]]] = [[] for _ in range(k_count)]
-    starting: list[list[tuple[int, int]]] = [[] for _ in range(k_count)]
     for a, b in segs:
-        starting[a].append((a, b))
         for j in range(a, b + 1):
             covering[j].append((a, b))
     cov = [pulp.lpSum(y[s] for s in covering[j]) for j in range(k_count)]
     for j in range(k_count):
         if covering[j]:
             prob += cov[j] <= 1, f"one_segment_covers_stage_{j}"
-    stored = [
-        model.saved[i] * (1 - cov[i]) + pulp.lpSum(model.segment_inputs[s] * y[s] for s in starting[i])
-        for i in range(k_count)
-    ]
-    big_m = (
-        model.persistent + model.returned + sum(model.saved) + sum(model.segment_inputs.values())
-        + max(model.param_grads, default=0) + max(model.grads_in_flight, default=0)
-        + max(model.forward_transient, default=0)
-    )
-    base = model.persistent + model.returned
-    prefix = 0
+
+    # held[k][j]: storage k is still held when stage j runs backward (and at the end of its forward)
+    held_terms: list[list[tuple[int, float, pulp.LpVariable]]] = [[] for _ in range(k_count)]
+    for k, holders in model.holders.items():
+        first = min(pos for pos, _, _ in holders)
+        by_pos: dict[int, list[tuple[str, object]]] = {}
+        for pos, kind, ref in holders:
+            by_pos.setdefault(pos, []).append((kind, ref))
+        previous = None
+        for j in range(first, k_count):
+            h = pulp.LpVariable(f"held_{k}_at_{j}", lowBound=0, upBound=1)
+            if previous is not None:
+                prob += h >= previous, f"held_{k}_stays_{j}"
+            for n, (kind, ref) in enumerate(by_pos.get(j, [])):
+                expr = (1 - cov[ref]) if kind == "saver" else y[ref]  # type: ignore[index]
+                prob += h >= expr, f"held_{k}_by_{kind}_{j}_{n}"
+            held_terms[j].append((k, model.sizes[k], h))
+            previous = h
     for j in range(k_count):
-        prefix = prefix + stored[j]
-        prob += base + prefix + model.forward_transient[j] <= bound, f"forward_stage_{j}"
-    before = [pulp.lpSum(stored[:j]) for j in range(k_count)]
-    for j in range(k_count):
-        tail = base + model.param_grads[j] + model.grads_in_flight[j]
+        stored = pulp.lpSum(size * h for _, size, h in held_terms[j])
+        live = model.forward_live_keys[j]
+        stored_not_live = pulp.lpSum(size * h for k, size, h in held_terms[j] if k not in live)
         prob += (
-            tail + before[j] + model.saved[j] <= bound + big_m * cov[j],
-            f"backward_stage_{j}_stored",
+            model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j] <= bound,
+            f"forward_stage_{j}",
         )
-        for a, b in covering[j]:
-            recomputed = sum(model.saved[a : j + 1])
-            prob += (
-                tail + before[a] + model.segment_inputs[(a, b)] + recomputed
-                <= bound + big_m * (1 - y[(a, b)]),
-                f"backward_stage_{j}_in_segment_{a}_{b}",
-            )
+        recompute = pulp.lpSum(model.recomputed[(s[0], j)] * y[s] for s in covering[j])
+        prob += (
+            model.base + model.param_grads[j] + model.grads_in_flight[j] + stored + recompute <= bound,
+            f"backward_stage_{j}",
+        )
     prob.solve(solver)
     if prob.sol_status not in _ACCEPTED:
         if prob.sol_status == pulp.LpSolutionNoSolutionFound and prob.status != pulp.LpStatusInfeasible:

@@ -1,0 +1,109 @@
+"""The ``ckpt-planner`` command.
+
+    ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
+
+``plan`` loads a Python entry point ``FILE_OR_MODULE:FUNCTION`` that returns
+``(model, example_inputs)``, plans at the budget and prints the plan summary (``--format json``
+for machine-readable output). Exit codes: 0 plan found, 2 usage or input error, 3 budget
+infeasible (the message names the smallest feasible budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from planner.errors import InfeasibleBudgetError, PlannerError
+
+__all__ = ["main", "load_entry_point"]
+
+EXIT_OK, EXIT_USAGE, EXIT_INFEASIBLE = 0, 2, 3
+
+
+def load_entry_point(spec: str) -> tuple[Any, Any]:
+    """Call ``path/to/file.py:function`` or ``package.module:function`` and return its
+    ``(model, example_inputs)``."""
+    target, sep, func_name = spec.rpartition(":")
+    if not sep or not target or not func_name:
+        raise PlannerError(f"entry point {spec!r} must look like file.py:function or module:function")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise PlannerError(f"entry point file {target!r} does not exist")
+        sys.path.insert(0, str(path.resolve().parent))
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise PlannerError(f"cannot import {target!r}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise PlannerError(f"cannot import module {target!r}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise PlannerError(f"{target!r} has no function {func_name!r}")
+    result = func()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise PlannerError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    return result
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from planner.pipeline import optimize
+
+    model, example_inputs = load_entry_point(args.target)
+    opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages)
+    plan = opt.plan
+    if args.format == "json":
+        print(json.dumps({
+            "budget_bytes": plan.budget_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "unoptimized_peak_bytes": plan.unoptimized_peak_bytes,
+            "measured_unoptimized_peak_bytes": plan.measured_unoptimized_peak_bytes,
+            "recompute_ms": plan.recompute_ms,
+            "recompute_flops": plan.recompute_flops,
+            "step_ms": plan.step_ms,
+            "segments": [list(s.node_names) for s in plan.segments],
+        }, indent=2))
+    else:
+        print(plan.summary())
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckpt-planner", description="Automatic activation-checkpoint planner.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan checkpoints for a model given by a Python entry point")
+    plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")
+    plan.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
+    plan.add_argument("--max-stages", type=int, default=32)
+    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.set_defaults(func=_plan_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args))
+    except InfeasibleBudgetError as exc:
+        print(f"ckpt-planner: {exc}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except PlannerError as exc:
+        print(f"ckpt-planner: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Hand-made and random CostGraphs for the solver tests (standard library only)."""
+
+from __future__ import annotations
+
+import random
+
+from planner.costgraph import CostGraph, CostNode, Storage
+
+MIB = 2**20
+
+
+def chain(sizes_mib: list[float], times_ms: list[float] | None = None, param_mib: float = 0.0) -> CostGraph:
+    """input -> n1 -> n2 ... each node saves its own output (like relu/tanh), optional params."""
+    storages = [Storage(0, MIB, persistent=True)]
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    times_ms = times_ms or [1.0] * len(sizes_mib)
+    prev = "x"
+    for i, (size, t) in enumerate(zip(sizes_mib, times_ms), start=1):
+        inputs = [prev]
+        if param_mib:
+            key = len(storages)
+            storages.append(Storage(key, int(param_mib * MIB), persistent=True))
+            nodes.append(CostNode(f"w{i}", "get_attr", kind="param", output_storages=(key,),
+                                  output_bytes=int(param_mib * MIB), requires_grad=True))
+            inputs.append(f"w{i}")
+        key = len(storages)
+        storages.append(Storage(key, int(size * MIB)))
+        nodes.append(CostNode(f"n{i}", "op", input_names=tuple(inputs), output_storages=(key,),
+                              saved_storages=(key,), output_bytes=int(size * MIB), requires_grad=True,
+                              time_ms=t, flops=int(t * 1e6)))
+        prev = f"n{i}"
+    return CostGraph(tuple(nodes), tuple(storages), output_names=(prev,))
+
+
+def random_dag(seed: int, n: int) -> CostGraph:
+    """A random DAG of ``n`` compute nodes with skip connections, views and internal saves."""
+    rng = random.Random(seed)
+    storages = [Storage(0, MIB, persistent=True), Storage(1, 2 * MIB, persistent=True)]
+    nodes = [
+        CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        CostNode("w", "get_attr", kind="param", output_storages=(1,), output_bytes=2 * MIB, requires_grad=True),
+    ]
+    values: list[tuple[str, int, int]] = []  # (name, storage, bytes)
+    for i in range(n):
+        name = f"n{i}"
+        k = rng.choice([1, 1, 2]) if values else 1
+        parents = rng.sample(values, min(k, len(values))) if values else [("x", 0, MIB)]
+        inputs = [p[0] for p in parents]
+        if rng.random() < 0.3:
+            inputs.append("w")
+        if values and rng.random() < 0.15:  # a view of its first parent
+            src = parents[0]
+            nodes.append(CostNode(name, "view", input_names=tuple(inputs), output_storages=(src[1],),
+                                  output_bytes=src[2], requires_grad=True, is_alias=True, time_ms=0.01))
+            values.append((name, src[1], src[2]))
+            continue
+        size = rng.choice([1, 2, 3, 4, 6, 8]) * MIB // 2
+        key = len(storages)
+        storages.append(Storage(key, size))
+        saved = []
+        if rng.random() < 0.7:
+            saved.append(key)
+        for p in parents:
+            if p[1] != 0 and rng.random() < 0.5:
+                saved.append(p[1])
+        if rng.random() < 0.2:
+            internal = len(storages)
+            storages.append(Storage(internal, MIB // 2))
+            saved.append(internal)
+        nodes.append(CostNode(
+            name, "op", input_names=tuple(dict.fromkeys(inputs)), output_storages=(key,),
+            saved_storages=tuple(dict.fromkeys(saved)), output_bytes=size, requires_grad=True,
+            time_ms=rng.uniform(0.1, 3.0), flops=rng.randrange(0, 10**6),
+            forward_peak_bytes=size + (MIB if rng.random() < 0.2 else 0),
+        ))
+        values.append((name, key, size))
+    return CostGraph(tuple(nodes), tuple(storages), output_names=(values[-1][0],))

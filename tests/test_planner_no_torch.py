@@ -1,0 +1,160 @@
+"""The solver side: no torch, hand-made and random graphs, checked against the simulator."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import pytest
+
+from graphs import MIB, chain, random_dag
+from planner import InfeasibleBudgetError, minimum_peak_plan, simulate, solve
+from planner.costgraph import CostGraph, CostNode, Storage
+from planner.stages import build_stages
+
+
+def test_planner_imports_without_torch():
+    code = "import sys; sys.modules['torch'] = None; import planner; from planner import solve, simulate"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_simulate_chain_by_hand():
+    # input 1 MiB + four 1 MiB saved activations, then backward: gradient of n4 plus n3's
+    g = chain([1, 1, 1, 1])
+    result = simulate(g)
+    assert result.peak_bytes == (1 + 4 + 2) * MIB
+    assert result.peak_phase == "backward"
+
+
+def test_simulate_checkpoint_drops_saved_activations_and_recomputes():
+    g = chain([4, 4, 4, 4, 1])
+    unopt = simulate(g).peak_bytes
+    ckpt = simulate(g, [("n1", "n2", "n3")])
+    assert ckpt.peak_bytes < unopt
+    phases = {phase for phase, _, _ in ckpt.timeline}
+    assert "recompute" in phases
+    # during the segment's backward its three 4 MiB activations are live again
+    recompute_peak = max(b for phase, _, b in ckpt.timeline if phase == "recompute")
+    assert recompute_peak >= (1 + 12) * MIB
+
+
+def test_simulate_params_keep_their_gradients():
+    g = chain([1, 1], param_mib=2)
+    end = simulate(g).timeline[-1][2]
+    assert end >= (1 + 2 * 2 + 2 * 2) * MIB  # input, params, and both parameter gradients
+
+
+def test_simulate_temporaries_are_added_where_measured():
+    g = chain([1, 1, 1])
+    bigger = CostGraph(
+        tuple(n if n.name != "n2" else CostNode(**{**n.__dict__, "forward_peak_bytes": 10 * MIB}) for n in g.nodes),
+        g.storages, g.output_names,
+    )
+    assert simulate(bigger).peak_bytes == simulate(g).peak_bytes - simulate(g).peak_bytes + (1 + 1 + 10) * MIB
+
+
+def test_segments_are_validated():
+    g = chain([1, 1, 1])
+    with pytest.raises(ValueError, match="not contiguous"):
+        simulate(g, [("n1", "n3")])
+    with pytest.raises(ValueError, match="two segments"):
+        simulate(g, [("n1", "n2"), ("n2",)])
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        simulate(g, [("x",)])
+
+
+def test_costgraph_rejects_unknown_references():
+    with pytest.raises(ValueError, match="unknown nodes"):
+        CostGraph((CostNode("a", "op", input_names=("nope",)),), ())
+    with pytest.raises(ValueError, match="unknown storages"):
+        CostGraph((CostNode("a", "op", output_storages=(3,)),), ())
+
+
+def test_budget_at_or_above_unoptimized_recomputes_nothing():
+    g = random_dag(1, 12)
+    peak = simulate(g).peak_bytes
+    for budget in (peak, peak + 1, 10 * peak):
+        plan = solve(g, budget)
+        assert plan.segments == ()
+        assert plan.predicted_peak_bytes == peak
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_plan_is_within_budget_by_simulation(seed):
+    g = random_dag(seed, 8 + seed % 7)
+    unopt = simulate(g).peak_bytes
+    floor = minimum_peak_plan(g).predicted_peak_bytes
+    assert floor <= unopt
+    for fraction in (0.9, 0.75, 0.6):
+        budget = int(unopt * fraction)
+        if budget < floor:
+            with pytest.raises(InfeasibleBudgetError) as err:
+                solve(g, budget)
+            assert err.value.min_feasible_bytes == floor
+            continue
+        plan = solve(g, budget)
+        replay = simulate(g, [s.node_names for s in plan.segments])
+        assert replay.peak_bytes == plan.predicted_peak_bytes <= budget
+        assert plan.recompute_ms == pytest.approx(
+            sum(g.node(n).time_ms for n in plan.recomputed_nodes))
+
+
+def test_infeasible_budget_names_the_minimum_and_the_minimum_is_feasible():
+    g = chain([4, 4, 4, 4, 4, 4, 4, 4])
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(g, 2 * MIB)
+    floor = err.value.min_feasible_bytes
+    assert f"{floor} bytes" in str(err.value)
+    plan = solve(g, floor)
+    assert plan.predicted_peak_bytes <= floor
+
+
+def test_chain_plan_is_no_worse_than_brute_force_over_stage_segments():
+    """On a small chain, enumerate every set of disjoint segments: the ILP's plan fits the
+    budget and costs no more than the best fitting plan found by brute force times 1.5
+    (the ILP's memory account is linear, the simulator is exact)."""
+    g = chain([3, 1, 4, 1, 5, 2, 6], times_ms=[2, 1, 3, 1, 2, 1, 3])
+    names = [n.name for n in g.compute_nodes]
+    spans = [tuple(names[a : b + 1]) for a in range(len(names)) for b in range(a, len(names))]
+    budget = int(simulate(g).peak_bytes * 0.7)
+    best = None
+    for r in range(0, 4):
+        for combo in itertools.combinations(spans, r):
+            flat = [n for s in combo for n in s]
+            if len(flat) != len(set(flat)):
+                continue
+            if simulate(g, combo).peak_bytes <= budget:
+                cost = sum(g.node(n).time_ms for n in flat)
+                best = cost if best is None else min(best, cost)
+    assert best is not None
+    plan = solve(g, budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.recompute_ms <= 1.5 * best + 1e-9
+
+
+def test_stages_cut_at_low_crossing_and_cover_every_node():
+    g = random_dag(3, 40)
+    stages = build_stages(g, max_stages=6)
+    covered = [n for s in stages for n in s.node_names]
+    assert covered == [n.name for n in g.compute_nodes]
+    assert len(stages) <= 12
+
+
+def test_non_recomputable_nodes_are_never_in_a_segment():
+    g = chain([4, 4, 4, 4, 4, 4])
+    frozen = CostGraph(
+        tuple(CostNode(**{**n.__dict__, "recomputable": False}) if n.name == "n3" else n for n in g.nodes),
+        g.storages, g.output_names,
+    )
+    plan = solve(frozen, int(simulate(frozen).peak_bytes * 0.8))
+    assert "n3" not in plan.recomputed_nodes
+
+
+def test_plan_summary_and_frame():
+    g = chain([4, 4, 4, 4, 4, 4])
+    plan = solve(g, int(simulate(g).peak_bytes * 0.8))
+    text = plan.summary()
+    assert "planned peak" in text and "segment 0" in text
+    frame = plan.to_frame()
+    assert list(frame["node"]) == list(plan.recomputed_nodes)
