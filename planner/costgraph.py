@@ -97,6 +97,8 @@ class CostGraph:
 
     ``output_names`` are the values the module returns (held by the caller through backward);
     ``loss_names`` the ones backward starts from (all differentiable outputs when empty).
+    ``segment_overhead_bytes`` is what each checkpointed segment keeps from its forward to its
+    backward besides tensors of the graph (the saved RNG state).
     """
 
     nodes: tuple[CostNode, ...]
@@ -104,6 +106,7 @@ class CostGraph:
     output_names: tuple[str, ...] = ()
     loss_names: tuple[str, ...] = ()
     step_ms: float = 0.0
+    segment_overhead_bytes: int = 0
     measured_peak_bytes: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
 
-from planner.errors import PlannerError
+from planner.errors import InfeasibleBudgetError, PlannerError
 from planner.plan import GIB
 from planner.solve import solve
 
@@ -45,6 +46,7 @@ def optimize(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     timing_repeats: int = 3,
+    safety_margin: float = 0.01,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -60,6 +62,9 @@ def optimize(
         solver: ``"HiGHS"`` or ``"CBC"``; the best installed one when None.
         time_limit_s: solver time limit per solve.
         timing_repeats: runs per node when timing it.
+        safety_margin: fraction of the budget kept free for what the memory model does not see
+            (allocator rounding, small temporaries); the plan's predicted peak stays below
+            ``budget * (1 - safety_margin)``.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -73,7 +78,7 @@ def optimize(
 
     from profiling.profile import profile_graph
     from profiling.trace import trace_module
-    from rewrite.apply import apply_plan
+    from rewrite.apply import CheckpointedModule, apply_plan
 
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -84,10 +89,17 @@ def optimize(
         log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
     gm = trace_module(model, example_inputs, method=trace_method)
     graph = profile_graph(gm, example_inputs, timing_repeats=timing_repeats)
-    plan = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+    if not 0 <= safety_margin < 1:
+        raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
+    planning_bytes = int(budget_bytes * (1 - safety_margin))
+    try:
+        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+    except InfeasibleBudgetError as exc:
+        needed = math.ceil(exc.min_feasible_bytes / (1 - safety_margin)) + int(reserve_gb * GIB)
+        raise InfeasibleBudgetError(int(budget_gb * GIB), needed) from None
+    plan = dataclasses.replace(plan, budget_bytes=budget_bytes)
     log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
              plan.predicted_peak_bytes / GIB, budget_bytes / GIB, len(plan.segments))
-    optimized = apply_plan(gm, plan)
-    optimized.plan = plan
+    optimized = CheckpointedModule(apply_plan(gm, plan), model, plan)
     optimized.cost_graph = graph
     return optimized

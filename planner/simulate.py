@@ -167,6 +167,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
                 mem.hold(k)
+            mem.alloc(("segment_state", s), graph.segment_overhead_bytes)
         new_bytes = 0
         for k in (*node.output_storages, *node.saved_storages):
             if k in persistent:
@@ -243,6 +244,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
                 mem.release(k)
+            mem.free(("segment_state", s))
 
     return SimulationResult(
         peak_bytes=mem.peak_bytes,

@@ -75,6 +75,7 @@ class _StageModel:
     flops: list[int]
     segments: list[tuple[int, int]]
     recomputed: dict[tuple[int, int], float]
+    segment_overhead: float
 
 
 def available_solvers() -> list[str]:
@@ -217,6 +218,7 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
         flops=flops,
         segments=segments,
         recomputed=recomputed,
+        segment_overhead=graph.segment_overhead_bytes / MIB,
     )
 
 
@@ -275,13 +277,16 @@ def _solve_ilp(
         stored = pulp.lpSum(size * h for _, size, h in held_terms[j])
         live = model.forward_live_keys[j]
         stored_not_live = pulp.lpSum(size * h for k, size, h in held_terms[j] if k not in live)
+        open_segments = pulp.lpSum(y[s] for s in segs if s[0] <= j) * model.segment_overhead
         prob += (
-            model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j] <= bound,
+            model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j]
+            + open_segments <= bound,
             f"forward_stage_{j}",
         )
         recompute = pulp.lpSum(model.recomputed[(s[0], j)] * y[s] for s in covering[j])
         prob += (
-            model.base + model.param_grads[j] + model.grads_in_flight[j] + stored + recompute <= bound,
+            model.base + model.param_grads[j] + model.grads_in_flight[j] + stored + recompute
+            + open_segments <= bound,
             f"backward_stage_{j}",
         )
     prob.solve(solver)

@@ -87,6 +87,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _is_mutating(node: torch.fx.Node) -> bool:
+    """Whether the op's schema says it writes an argument (in-place ops; the interpreter also
+    catches ops that bump an input's version counter, such as batch_norm's running stats)."""
     target = node.target
     schema = getattr(target, "_schema", None)
     if schema is not None:
@@ -140,6 +142,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         self.timing_repeats = timing_repeats
         self.time = _timer(device)
         self.records: dict[str, dict[str, Any]] = {}
+        self.buffer_ids = {id(b) for b in gm.buffers()}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -156,6 +159,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
                 result = super(_ProfilingInterpreter, self).run_node(n)
 
+        before = [(t, t._version) for a in n.all_input_nodes for t in _tensors(self.env.get(a))]
+        buffers_before = [(t, t.clone()) for t, _ in before if id(t) in self.buffer_ids]
         try:
             times = [self.time(run_once)]
         except Exception as exc:
@@ -165,7 +170,11 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                 f"{where[0].strip()}"
             ) from exc
         flops = int(counter.get_total_flops())
-        mutating = _is_mutating(n)
+        mutating = (
+            _is_mutating(n)
+            or any(t._version != v for t, v in before)
+            or any(not torch.equal(t, copy) for t, copy in buffers_before)  # kernels that skip the version bump
+        )
         if n.op in ("call_function", "call_method") and not mutating and self.timing_repeats > 1:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             fn = getattr(args[0], n.target) if n.op == "call_method" else n.target
@@ -234,11 +243,20 @@ def profile_graph(
         output_names=output_names,
         loss_names=loss_names,
         step_ms=statistics.median(step_times) if step_times else 0.0,
+        segment_overhead_bytes=_rng_state_bytes(device),
         measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak else None,
         metadata={"device": str(device)},
     )
     log.info("profiled %d nodes, %d storages", len(nodes), len(table.storages))
     return graph
+
+
+def _rng_state_bytes(device: torch.device) -> int:
+    """Bytes a checkpointed segment keeps to replay random ops: the saved RNG state(s)."""
+    size = torch.get_rng_state().nbytes
+    if device.type == "cuda":
+        size += torch.cuda.get_rng_state(device).nbytes
+    return int(size)
 
 
 def _cost_nodes(

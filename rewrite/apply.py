@@ -33,7 +33,7 @@ import torch.utils.checkpoint
 from planner.errors import PlannerError
 from planner.plan import Plan
 
-__all__ = ["apply_plan", "CheckpointedSegment"]
+__all__ = ["apply_plan", "CheckpointedSegment", "CheckpointedModule"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,35 @@ class CheckpointedSegment:
 
     def __call__(self, *args: Any) -> Any:
         return self.graph_module(*args)
+
+
+class CheckpointedModule(torch.nn.Module):
+    """The module ``optimize`` returns: the rewritten graph in training, the user's own module
+    in eval mode (the captured graph is specialised to training, dropout included).
+
+    It shares the graph module's children, parameters and buffers, so ``state_dict()`` keys and
+    parameter objects are those of the user's model. ``plan`` says what was decided.
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule, original: torch.nn.Module, plan: Plan) -> None:
+        super().__init__()
+        object.__setattr__(self, "graph_module", graph_module)  # not a child: no new state_dict keys
+        object.__setattr__(self, "original", original)
+        self._modules = graph_module._modules
+        self._parameters = graph_module._parameters
+        self._buffers = graph_module._buffers
+        self.plan = plan
+        self.train(original.training)
+
+    def train(self, mode: bool = True) -> "CheckpointedModule":
+        super().train(mode)
+        self.original.train(mode)
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            return self.graph_module(*args, **kwargs)
+        return self.original(*args, **kwargs)
 
 
 def _checkpointed(segment: CheckpointedSegment, *args: Any) -> Any:

@@ -1,0 +1,106 @@
+"""The profiler's byte counts against numel * element_size, and its prediction against the allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner import simulate
+from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
+
+
+def small_mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, (torch.randn(32, 8),)
+
+
+def nodes_by_op(graph, fragment):
+    return [n for n in graph.nodes if fragment in n.op]
+
+
+def test_output_and_saved_bytes_match_tensor_sizes():
+    model, inputs = small_mlp()
+    graph = profile_graph(trace_module(model, inputs), inputs)
+    sizes = graph.storage_by_key
+    (relu,) = nodes_by_op(graph, "relu")
+    assert relu.output_bytes == 32 * 16 * torch.float32.itemsize
+    # relu saves its own output for backward: one storage, exactly the output's bytes
+    assert relu.saved_storages == relu.output_storages
+    assert sizes[relu.saved_storages[0]].size_bytes == 32 * 16 * 4
+    first, second = nodes_by_op(graph, "linear")
+    assert first.output_bytes == 32 * 16 * 4 and second.output_bytes == 32 * 4 * 4
+    # the second linear saves its input, relu's output, and its weight (a parameter)
+    assert relu.output_storages[0] in second.saved_storages
+    saved_activation = [k for k in second.saved_storages if not sizes[k].persistent]
+    assert saved_activation == list(relu.output_storages)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert graph.persistent_bytes == params + inputs[0].numel() * 4
+
+
+def test_views_are_aliases_and_cost_no_storage():
+    class Flatten(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(x).reshape(x.shape[0], -1))
+
+    x = torch.randn(5, 3, 4)
+    graph = profile_graph(trace_module(Flatten(), (x,)), (x,))
+    views = [n for n in graph.compute_nodes if "view" in n.op or "reshape" in n.op]
+    assert views and all(v.is_alias for v in views)
+    (tanh,) = nodes_by_op(graph, "tanh")
+    assert views[0].output_storages == tanh.output_storages
+
+
+def test_random_and_mutating_ops_are_flagged():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.bn = torch.nn.BatchNorm1d(4)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.bn(self.fc(x)))
+
+    x = torch.randn(8, 4)
+    net = Net().train()
+    graph = profile_graph(trace_module(net, (x,)), (x,))
+    assert any(n.is_random for n in graph.compute_nodes if "dropout" in n.op)
+    bn = [n for n in graph.compute_nodes if "batch_norm" in n.op]
+    assert bn and not any(n.recomputable for n in bn)
+    assert int(net.bn.num_batches_tracked) == 0, "profiling must not change buffers"
+
+
+def test_profiling_leaves_model_and_rng_untouched():
+    model, inputs = small_mlp()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    profile_graph(trace_module(model, inputs), inputs)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("batch", [64, 512])
+def test_predicted_unoptimized_peak_matches_allocator(batch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                      torch.nn.Linear(256, 64)) for _ in range(3)])
+    inputs = (torch.randn(batch, 64),)
+    graph = profile_graph(trace_module(model, inputs), inputs)
+    measured = measure_step_peak_bytes(model, StepInputs.from_example(inputs))
+    assert graph.measured_peak_bytes == measured
+    assert simulate(graph).peak_bytes == pytest.approx(measured, rel=0.05)
+
+
+def test_profile_frame_has_a_row_per_node():
+    model, inputs = small_mlp()
+    graph = profile_graph(trace_module(model, inputs), inputs)
+    frame = graph.to_frame()
+    assert len(frame) == len(graph.nodes)
+    assert {"output_bytes", "saved_bytes", "time_ms", "flops"} <= set(frame.columns)
+    assert frame["flops"].sum() == 2 * 32 * (8 * 16 + 16 * 4)

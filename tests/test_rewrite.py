@@ -1,0 +1,166 @@
+"""The rewritten module is a drop-in: same outputs, bitwise-equal gradients, shared parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from planner import InfeasibleBudgetError, PlannerError, optimize
+from profiling import StepInputs, measure_step_peak_bytes, run_step
+from profiling.measure import loss_of
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.relu(self.up(self.norm(x)))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int = 64, blocks: int = 4, as_dict: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, 3)
+        self.as_dict = as_dict
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        out = self.head(x)
+        return {"logits": out, "hidden": x} if self.as_dict else out
+
+
+def make(as_dict: bool = False):
+    torch.manual_seed(0)
+    return Net(as_dict=as_dict).train(), (torch.randn(512, 64),)
+
+
+def step(module, owner, inputs, seed):
+    owner.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = module(*inputs)
+    loss = loss_of(out)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in owner.named_parameters()}
+    owner.zero_grad(set_to_none=True)
+    return out, loss.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def optimized():
+    model, inputs = make()
+    peak = measure_step_peak_bytes(model, StepInputs.from_example(inputs))
+    opt = optimize(model, inputs, budget_gb=0.65 * peak / 2**30)
+    return model, inputs, opt, peak
+
+
+def test_plan_recomputes_and_fits(optimized):
+    model, inputs, opt, peak = optimized
+    assert opt.plan.segments, "a 65 % budget must recompute something"
+    measured = measure_step_peak_bytes(opt, StepInputs.from_example(inputs))
+    assert measured <= opt.plan.budget_bytes
+    assert opt.plan.predicted_peak_bytes == pytest.approx(measured, rel=0.05)
+
+
+def test_gradients_and_loss_are_bitwise_equal_with_dropout(optimized):
+    model, inputs, opt, _ = optimized
+    out_a, loss_a, grads_a = step(model, model, inputs, seed=3)
+    out_b, loss_b, grads_b = step(opt, model, inputs, seed=3)
+    assert torch.equal(out_a, out_b) and torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_parameters_and_state_dict_are_the_users(optimized):
+    model, _, opt, _ = optimized
+    assert list(opt.state_dict()) == list(model.state_dict())
+    mine = dict(model.named_parameters())
+    assert all(p is mine[n] for n, p in opt.named_parameters())
+
+
+def test_optimizer_on_original_parameters_trains_the_optimized_module(optimized):
+    model, inputs, opt, _ = optimized
+    twin = copy.deepcopy(model)
+    sgd_opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    sgd_twin = torch.optim.SGD(twin.parameters(), lr=1e-5)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        for seed in range(3):
+            for module, sgd in ((opt, sgd_opt), (twin, sgd_twin)):
+                sgd.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                loss_of(module(*inputs)).backward()
+                sgd.step()
+        for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+            assert torch.isfinite(a).all() and torch.equal(a, b), n
+        assert not torch.equal(model.head.weight, saved["head.weight"])
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+
+
+def test_eval_mode_runs_the_users_module_without_dropout(optimized):
+    model, inputs, opt, _ = optimized
+    opt.eval()
+    try:
+        assert not model.training, "eval() on the optimized module reaches the user's module"
+        with torch.no_grad():
+            first, second = opt(*inputs), opt(*inputs)
+            assert torch.equal(first, second), "dropout must be off in eval mode"
+            assert torch.equal(first, model(*inputs))
+    finally:
+        opt.train()
+    assert model.training
+
+
+def test_dict_output_keeps_its_structure():
+    model, inputs = make(as_dict=True)
+    peak = measure_step_peak_bytes(model, StepInputs.from_example(inputs))
+    opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30)
+    out = opt(*inputs)
+    assert isinstance(out, dict) and set(out) == {"logits", "hidden"}
+    _, loss_a, grads_a = step(model, model, inputs, seed=1)
+    _, loss_b, grads_b = step(opt, model, inputs, seed=1)
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+
+
+def test_infeasible_budget_raises_with_the_minimum():
+    model, inputs = make()
+    with pytest.raises(InfeasibleBudgetError) as err:
+        optimize(model, inputs, budget_gb=1e-4)
+    floor = err.value.min_feasible_bytes
+    assert "smallest feasible budget" in str(err.value)
+    opt = optimize(model, inputs, budget_gb=floor / 2**30 + 1e-9)
+    assert opt.plan.predicted_peak_bytes <= floor
+    assert measure_step_peak_bytes(opt, StepInputs.from_example(inputs)) <= opt.plan.budget_bytes
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("nan"), float("inf"), "6"])
+def test_bad_budgets_are_rejected(budget):
+    model, inputs = make()
+    with pytest.raises(PlannerError, match="budget_gb"):
+        optimize(model, inputs, budget_gb=budget)
+
+
+def test_bad_model_and_inputs_are_rejected():
+    model, inputs = make()
+    with pytest.raises(PlannerError, match="nn.Module"):
+        optimize(lambda x: x, inputs, budget_gb=1.0)
+    with pytest.raises(PlannerError, match="tuple of positional"):
+        optimize(model, 3, budget_gb=1.0)
+
+
+def test_run_step_returns_output_and_fills_grads():
+    model, inputs = make()
+    out = run_step(model, StepInputs.from_example(inputs))
+    assert out.shape == (512, 3)
+    assert all(p.grad is not None for p in model.parameters())
