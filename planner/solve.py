@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -83,9 +84,16 @@ def available_solvers() -> list[str]:
     names = []
     if pulp.HiGHS(msg=False).available():
         names.append("HiGHS")
-    if pulp.PULP_CBC_CMD(msg=False).available():
+    if _cbc(0).available():
         names.append("CBC")
     return names
+
+
+def _cbc(time_limit_s: float) -> pulp.LpSolver:
+    """PuLP's bundled CBC (its class is deprecated in PuLP 3.x in favour of a separate install)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s or None)
 
 
 def _make_solver(name: str | None, time_limit_s: float) -> tuple[str, pulp.LpSolver]:
@@ -97,7 +105,14 @@ def _make_solver(name: str | None, time_limit_s: float) -> tuple[str, pulp.LpSol
         raise SolverError(f"solver {chosen!r} is not available here; available: {names}")
     if chosen == "HiGHS":
         return chosen, pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
-    return chosen, pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    return chosen, _cbc(time_limit_s)
+
+
+def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVariable:
+    """A variable attached to ``prob`` (PuLP 3.3+), or a free-standing one on older PuLP."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, **kwargs)
+    return pulp.LpVariable(name, **kwargs)
 
 
 def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int) -> _StageModel:
@@ -237,11 +252,11 @@ def _solve_ilp(
     segs = model.segments
     name, solver = _make_solver(solver_name, time_limit_s)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
-    y = {s: pulp.LpVariable(f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
+    y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
     total_ms = sum(model.time_ms) or 1.0
     cost = pulp.lpSum(y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs)
     if budget_mib is None:
-        peak = pulp.LpVariable("peak_mib", lowBound=0)
+        peak = _variable(prob, "peak_mib", lowBound=0)
         bound: pulp.LpAffineExpression | float = peak
         prob += peak + 1e-6 * cost / total_ms
     else:
@@ -265,7 +280,7 @@ def _solve_ilp(
             by_pos.setdefault(pos, []).append((kind, ref))
         previous = None
         for j in range(first, k_count):
-            h = pulp.LpVariable(f"held_{k}_at_{j}", lowBound=0, upBound=1)
+            h = _variable(prob, f"held_{k}_at_{j}", lowBound=0, upBound=1)
             if previous is not None:
                 prob += h >= previous, f"held_{k}_stays_{j}"
             for n, (kind, ref) in enumerate(by_pos.get(j, [])):

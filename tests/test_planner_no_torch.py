@@ -158,3 +158,26 @@ def test_plan_summary_and_frame():
     assert "planned peak" in text and "segment 0" in text
     frame = plan.to_frame()
     assert list(frame["node"]) == list(plan.recomputed_nodes)
+
+
+@pytest.mark.parametrize("solver", ["HiGHS", "CBC"])
+def test_each_installed_solver_gives_a_plan_within_budget(solver):
+    from planner import available_solvers
+
+    if solver not in available_solvers():
+        pytest.fail(f"{solver} should be installed by the test extras")
+    g = random_dag(5, 14)
+    budget = int(simulate(g).peak_bytes * 0.85)
+    floor = minimum_peak_plan(g, solver=solver).predicted_peak_bytes
+    budget = max(budget, floor)
+    plan = solve(g, budget, solver=solver)
+    assert plan.solver == solver or plan.segments == ()
+    assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
+
+
+def test_unknown_solver_is_a_clear_error():
+    from planner import SolverError
+
+    g = chain([4, 4, 4, 4])
+    with pytest.raises(SolverError, match="not available"):
+        solve(g, int(simulate(g).peak_bytes * 0.9), solver="Gurobi")

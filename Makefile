@@ -1,0 +1,26 @@
+# make example: set up .venv (CPU torch) and run the quickstart; make test: the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export KINETO_LOG_LEVEL ?= 5
+
+.PHONY: setup example test test-fast table
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+example: setup
+	$(PY) examples/quickstart.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+table: setup
+	$(PY) benchmarks/budget_table.py --csv benchmarks/budget_table.csv
