@@ -1,7 +1,6 @@
 # make example: set up .venv (CPU torch) and run the quickstart; make test: the whole suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-export KINETO_LOG_LEVEL ?= 5
 
 .PHONY: setup example test test-fast table
 

@@ -1,11 +1,16 @@
 """The ``ckpt-planner`` command.
 
+    ckpt-planner report PATH --budget-gb 6 [--sweep] [--format text|json|csv|markdown] [--plot out.png]
     ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
 
-``plan`` loads a Python entry point ``FILE_OR_MODULE:FUNCTION`` that returns
-``(model, example_inputs)``, plans at the budget and prints the plan summary (``--format json``
-for machine-readable output). Exit codes: 0 plan found, 2 usage or input error, 3 budget
-infeasible (the message names the smallest feasible budget).
+``report`` loads a saved model (a ``torch.export`` ``.pt2``, a HuggingFace ``save_pretrained``
+directory, or, with ``--trust-pickle``, a whole pickled module), profiles one training step and
+reports the unoptimized peak, the plan at the budget, the largest activations and, with
+``--sweep``, the memory/overhead Pareto front. ``plan`` does the same planning for a Python
+entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
+
+Exit codes: 0 plan found, 2 usage or input error, 3 budget infeasible (the message names the
+smallest feasible budget).
 """
 
 from __future__ import annotations
@@ -78,10 +83,58 @@ def _plan_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _report_command(args: argparse.Namespace) -> int:
+    from planner.pipeline import plan_for_budget
+    from planner.report import build_report, render
+    from planner.sweep import sweep
+    from profiling.load import load_model
+    from profiling.profile import profile_graph
+    from profiling.trace import trace_module
+
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
+    loaded = load_model(
+        args.path,
+        input_shapes=args.input_shape,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        image_size=args.image_size,
+        trust_pickle=args.trust_pickle,
+    )
+    gm = loaded.module if loaded.is_graph else trace_module(loaded.module, loaded.inputs)
+    graph = profile_graph(gm, loaded.inputs)
+    plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages)
+    plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
+    report = build_report(graph, plan, model_name=loaded.name, sweep_plans=plans)
+    sys.stdout.write(render(report, args.format))
+    if args.plot:
+        from planner.plot import plot_report
+
+        plot_report(report, args.plot)
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt-planner", description="Automatic activation-checkpoint planner.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
+    report = sub.add_parser("report", help="report what checkpointing buys on a saved model")
+    report.add_argument("path", help="a .pt2 from torch.export.save, a save_pretrained directory, or a pickled module")
+    report.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
+    report.add_argument("--sweep", type=int, nargs="?", const=8, default=0, metavar="N",
+                        help="also plan N budgets (default 8) from the minimum to the unoptimized peak")
+    report.add_argument("--format", choices=("text", "json", "csv", "markdown"), default="text")
+    report.add_argument("--plot", metavar="FILE.png", help="draw memory over the step (and the Pareto front)")
+    report.add_argument("--input-shape", action="append", metavar="SPEC",
+                        help="an input as 2x3x224x224:float32; repeat for several positional inputs")
+    report.add_argument("--batch-size", type=int, default=1, help="HuggingFace directory: batch size")
+    report.add_argument("--seq-len", type=int, default=128, help="HuggingFace directory: tokens per sequence")
+    report.add_argument("--image-size", type=int, help="HuggingFace directory: image side in pixels")
+    report.add_argument("--trust-pickle", action="store_true",
+                        help="allow unpickling PATH (runs code from the file)")
+    report.add_argument("--max-stages", type=int, default=32)
+    report.set_defaults(func=_report_command)
+
     plan = sub.add_parser("plan", help="plan checkpoints for a model given by a Python entry point")
     plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")
     plan.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")

@@ -19,10 +19,11 @@ import math
 from typing import Any
 
 from planner.errors import InfeasibleBudgetError, PlannerError
-from planner.plan import GIB
+from planner.costgraph import CostGraph
+from planner.plan import GIB, Plan
 from planner.solve import solve
 
-__all__ = ["optimize"]
+__all__ = ["optimize", "plan_for_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,44 @@ def _budget_bytes(budget_gb: float) -> int:
     if not math.isfinite(budget_gb) or budget_gb <= 0:
         raise PlannerError(f"budget_gb must be a positive finite number of GiB, got {budget_gb}")
     return int(budget_gb * GIB)
+
+
+def plan_for_budget(
+    graph: CostGraph,
+    budget_gb: float,
+    *,
+    reserve_gb: float = 0.0,
+    safety_margin: float = 0.01,
+    max_stages: int = 32,
+    solver: str | None = None,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
+
+    The returned plan's ``budget_bytes`` is the user's budget; its predicted peak stays under
+    ``(budget - reserve) * (1 - safety_margin)``. An infeasible budget raises
+    :class:`InfeasibleBudgetError` naming the smallest ``budget_gb`` (in bytes) that works.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+        ...               (Storage(0, 2**20, True),))
+        >>> plan_for_budget(g, 1.0).segments
+        ()
+    """
+    budget_bytes = _budget_bytes(budget_gb)
+    reserve_bytes = _budget_bytes(reserve_gb) if reserve_gb else 0
+    if budget_bytes <= reserve_bytes:
+        raise PlannerError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
+    if not 0 <= safety_margin < 1:
+        raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
+    planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
+    try:
+        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+    except InfeasibleBudgetError as exc:
+        needed = math.ceil(exc.min_feasible_bytes / (1 - safety_margin)) + reserve_bytes
+        raise InfeasibleBudgetError(budget_bytes, needed) from None
+    return dataclasses.replace(plan, budget_bytes=budget_bytes)
 
 
 def optimize(
@@ -82,24 +121,15 @@ def optimize(
 
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    budget_bytes = _budget_bytes(budget_gb) - _budget_bytes(reserve_gb) if reserve_gb else _budget_bytes(budget_gb)
-    if budget_bytes <= 0:
-        raise PlannerError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
+    _budget_bytes(budget_gb)  # fail on a bad budget before the slow work
     if not model.training:
         log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
     gm = trace_module(model, example_inputs, method=trace_method)
     graph = profile_graph(gm, example_inputs, timing_repeats=timing_repeats)
-    if not 0 <= safety_margin < 1:
-        raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
-    planning_bytes = int(budget_bytes * (1 - safety_margin))
-    try:
-        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
-    except InfeasibleBudgetError as exc:
-        needed = math.ceil(exc.min_feasible_bytes / (1 - safety_margin)) + int(reserve_gb * GIB)
-        raise InfeasibleBudgetError(int(budget_gb * GIB), needed) from None
-    plan = dataclasses.replace(plan, budget_bytes=budget_bytes)
+    plan = plan_for_budget(graph, budget_gb, reserve_gb=reserve_gb, safety_margin=safety_margin,
+                           max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
     log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
-             plan.predicted_peak_bytes / GIB, budget_bytes / GIB, len(plan.segments))
+             plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
     optimized = CheckpointedModule(apply_plan(gm, plan), model, plan)
     optimized.cost_graph = graph
     return optimized

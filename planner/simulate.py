@@ -179,7 +179,8 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
         if s is None:
             for k in set(node.saved_storages) - persistent:
                 mem.hold(k)
-        mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
+        if node.kind == "compute":
+            mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
         for k in set((*node.output_storages, *node.saved_storages)) - persistent:
             mem.free_if_unheld(k)
         read = {k for name in node.input_names for k in value_storages[name]}

@@ -1,0 +1,224 @@
+"""What checkpointing buys on one profiled model: the data behind ``ckpt-planner report``.
+
+``build_report`` gathers the unoptimized peak and where it happens, the plan at the budget,
+the largest saved activations by node and by module, and optionally a sweep's Pareto front;
+``render`` writes it as a terminal table, markdown, JSON or CSV. Standard library only
+(pandas for CSV).
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.solve import solve
+    >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    >>> for i in range(1, 5):
+    ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
+    ...                           output_storages=(i,), saved_storages=(i,), output_bytes=2**20,
+    ...                           requires_grad=True, time_ms=1.0, module=f"block{i}"))
+    >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(5)), ("n4",))
+    >>> report = build_report(g, solve(g, 6 * 2**20), model_name="chain")
+    >>> report.top_modules[0]
+    ('block1', 1048576)
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from planner.costgraph import CostGraph
+from planner.plan import Plan
+from planner.simulate import SimulationResult, simulate
+from planner.sweep import pareto_front
+
+__all__ = ["Report", "build_report", "render", "REPORT_FORMATS"]
+
+REPORT_FORMATS = ("text", "markdown", "json", "csv")
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything one report shows; ``timelines`` feed the plot and stay out of ``to_dict``."""
+
+    model_name: str
+    node_count: int
+    plan: Plan
+    unoptimized_peak_phase: str
+    unoptimized_peak_node: str
+    unoptimized_peak_module: str
+    kept_activation_bytes: int
+    top_nodes: list[tuple[str, str, str, int]]
+    top_modules: list[tuple[str, int]]
+    pareto: list[Plan] = field(default_factory=list)
+    timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "model": self.model_name,
+            "nodes": self.node_count,
+            "unoptimized": {
+                "predicted_peak_bytes": plan.unoptimized_peak_bytes,
+                "measured_peak_bytes": plan.measured_unoptimized_peak_bytes,
+                "peak_phase": self.unoptimized_peak_phase,
+                "peak_node": self.unoptimized_peak_node,
+                "peak_module": self.unoptimized_peak_module,
+                "step_ms": plan.step_ms,
+            },
+            "plan": _plan_dict(plan) | {
+                "kept_activation_bytes": self.kept_activation_bytes,
+                "segments": [
+                    {"first": s.node_names[0], "last": s.node_names[-1], "nodes": len(s.node_names),
+                     "recompute_ms": s.recompute_ms, "recompute_flops": s.recompute_flops}
+                    for s in plan.segments
+                ],
+            },
+            "largest_activations_by_node": [
+                {"node": n, "op": op, "module": m, "saved_bytes": b} for n, op, m, b in self.top_nodes
+            ],
+            "largest_activations_by_module": [{"module": m, "saved_bytes": b} for m, b in self.top_modules],
+            "pareto": [_plan_dict(p) for p in self.pareto],
+        }
+
+
+def _plan_dict(plan: Plan) -> dict[str, Any]:
+    return {
+        "budget_bytes": plan.budget_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "recompute_ms": plan.recompute_ms,
+        "recompute_flops": plan.recompute_flops,
+        "overhead_ratio": plan.overhead_ratio,
+        "segment_count": len(plan.segments),
+        "recomputed_nodes": len(plan.recomputed_nodes),
+    }
+
+
+def _saved_bytes_by_node(graph: CostGraph) -> dict[str, int]:
+    """Bytes each node saves for backward, each storage counted at its first saver."""
+    sizes = graph.storage_by_key
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for node in graph.nodes:
+        fresh = [k for k in node.saved_storages if not sizes[k].persistent and k not in seen]
+        seen.update(fresh)
+        if fresh:
+            out[node.name] = sum(sizes[k].size_bytes for k in fresh)
+    return out
+
+
+def build_report(
+    graph: CostGraph,
+    plan: Plan,
+    *,
+    model_name: str = "model",
+    sweep_plans: Sequence[Plan] = (),
+    top: int = 10,
+) -> Report:
+    """Gather the report for ``plan`` (made from ``graph``) and an optional sweep."""
+    unoptimized = simulate(graph)
+    planned = simulate(graph, [s.node_names for s in plan.segments])
+    saved = _saved_bytes_by_node(graph)
+    recomputed = set(plan.recomputed_nodes)
+    by_module: dict[str, int] = defaultdict(int)
+    for name, size in saved.items():
+        path = graph.node(name).module
+        parts = path.split(".") if path else []
+        for depth in range(1, len(parts) + 1):  # a module's total includes its submodules
+            by_module[".".join(parts[:depth])] += size
+        if not parts:
+            by_module["(top level)"] += size
+    ranked = sorted(saved.items(), key=lambda kv: -kv[1])[:top]
+    peak_node = unoptimized.peak_node
+    return Report(
+        model_name=model_name,
+        node_count=len(graph.nodes),
+        plan=plan,
+        unoptimized_peak_phase=unoptimized.peak_phase,
+        unoptimized_peak_node=peak_node,
+        unoptimized_peak_module=graph.node(peak_node).module if peak_node in graph.index else "",
+        kept_activation_bytes=sum(size for name, size in saved.items() if name not in recomputed),
+        top_nodes=[(n, graph.node(n).op, graph.node(n).module, b) for n, b in ranked],
+        top_modules=sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0].count("."), kv[0]))[:top],
+        pareto=pareto_front(sweep_plans) if sweep_plans else [],
+        timelines={"unoptimized": unoptimized, "plan": planned},
+    )
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / MIB:.1f} MiB"
+
+
+def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report as titled tables: (title, header, rows)."""
+    plan = report.plan
+    summary = [
+        ["model", f"{report.model_name} ({report.node_count} nodes)"],
+        ["unoptimized peak (predicted)", _mib(plan.unoptimized_peak_bytes)],
+        ["unoptimized peak (measured)", _mib(plan.measured_unoptimized_peak_bytes)],
+        ["unoptimized peak at", f"{report.unoptimized_peak_phase} of {report.unoptimized_peak_node}"
+                                f" ({report.unoptimized_peak_module or 'top level'})"],
+        ["budget", _mib(plan.budget_bytes)],
+        ["planned peak (predicted)", _mib(plan.predicted_peak_bytes)],
+        ["kept activations", _mib(report.kept_activation_bytes)],
+        ["recomputed", f"{len(plan.recomputed_nodes)} nodes in {len(plan.segments)} segments"],
+        ["extra time", f"{plan.recompute_ms:.1f} ms per step ({plan.overhead_ratio:.1%} of {plan.step_ms:.1f} ms)"],
+        ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
+    ]
+    tables = [("Summary", ["", ""], summary)]
+    if plan.segments:
+        tables.append(("Recomputed segments", ["#", "first node", "last node", "nodes", "time"], [
+            [str(k), s.node_names[0], s.node_names[-1], str(len(s.node_names)), f"{s.recompute_ms:.2f} ms"]
+            for k, s in enumerate(plan.segments)
+        ]))
+    tables.append(("Largest saved activations by node", ["node", "op", "module", "saved"], [
+        [n, op, m or "-", _mib(b)] for n, op, m, b in report.top_nodes
+    ]))
+    tables.append(("Largest saved activations by module", ["module", "saved"], [
+        [m, _mib(b)] for m, b in report.top_modules
+    ]))
+    if report.pareto:
+        tables.append(("Pareto front (sweep)", ["budget", "predicted peak", "extra time", "extra FLOPs", "segments"], [
+            [_mib(p.budget_bytes), _mib(p.predicted_peak_bytes), f"{p.recompute_ms:.1f} ms ({p.overhead_ratio:.1%})",
+             f"{p.recompute_flops:.3e}", str(len(p.segments))]
+            for p in report.pareto
+        ]))
+    return tables
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = []
+    if any(header):
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def render(report: Report, fmt: str = "text") -> str:
+    """The report as ``text`` (terminal tables), ``markdown``, ``json`` or ``csv``.
+
+    CSV has one row per plan: the plan at the budget, then each Pareto point of a sweep.
+    """
+    if fmt == "json":
+        return json.dumps(report.to_dict(), indent=2)
+    if fmt == "csv":
+        import pandas
+
+        plans = [("budget", report.plan)] + [("pareto", p) for p in report.pareto]
+        frame = pandas.DataFrame([{"kind": kind, "model": report.model_name,
+                                   "unoptimized_peak_bytes": p.unoptimized_peak_bytes, **_plan_dict(p)}
+                                  for kind, p in plans])
+        return frame.to_csv(index=False)
+    if fmt == "markdown":
+        parts = []
+        for title, header, rows in _rows(report):
+            head = header if any(header) else ["item", "value"]
+            parts.append(f"### {title}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+                         + "\n".join("| " + " | ".join(r) + " |" for r in rows))
+        return "\n\n".join(parts) + "\n"
+    if fmt == "text":
+        return "\n\n".join(f"{title}\n{_text_table(header, rows)}" for title, header, rows in _rows(report)) + "\n"
+    raise ValueError(f"unknown format {fmt!r}; use one of {REPORT_FORMATS}")

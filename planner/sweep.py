@@ -1,0 +1,69 @@
+"""Plans for many budgets from one profile: the memory/overhead Pareto front.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    >>> for i in range(1, 9):
+    ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
+    ...                           output_storages=(i,), saved_storages=(i,), output_bytes=2**20,
+    ...                           requires_grad=True, time_ms=1.0))
+    >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(9)), ("n8",))
+    >>> plans = sweep(g, points=4)
+    >>> [p.recompute_ms for p in plans] == sorted((p.recompute_ms for p in plans), reverse=True)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from planner.costgraph import CostGraph
+from planner.errors import InfeasibleBudgetError
+from planner.plan import Plan
+from planner.simulate import simulate
+from planner.solve import minimum_peak_plan, solve
+
+__all__ = ["sweep", "pareto_front"]
+
+log = logging.getLogger(__name__)
+
+
+def sweep(
+    graph: CostGraph,
+    budgets_bytes: Sequence[int] | None = None,
+    *,
+    points: int = 8,
+    max_stages: int = 32,
+    solver: str | None = None,
+    time_limit_s: float = 60.0,
+) -> list[Plan]:
+    """One plan per budget, smallest budget first; infeasible budgets are skipped.
+
+    Without ``budgets_bytes``, ``points`` budgets are spread evenly from the smallest feasible
+    peak to the unoptimized peak.
+    """
+    if budgets_bytes is None:
+        if points < 2:
+            raise ValueError("points must be at least 2")
+        low = minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
+                                time_limit_s=time_limit_s).predicted_peak_bytes
+        high = simulate(graph).peak_bytes
+        budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
+    plans = []
+    for n, budget in enumerate(sorted(budgets_bytes), start=1):
+        try:
+            plans.append(solve(graph, int(budget), max_stages=max_stages, solver=solver, time_limit_s=time_limit_s))
+        except InfeasibleBudgetError:
+            log.info("budget %d bytes is infeasible; skipped", budget)
+        log.info("sweep: %d/%d budgets solved", n, len(budgets_bytes))
+    return plans
+
+
+def pareto_front(plans: Sequence[Plan]) -> list[Plan]:
+    """The plans no other plan beats on both predicted peak and recompute time, by peak."""
+    front: list[Plan] = []
+    for plan in sorted(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_ms)):
+        if not front or plan.recompute_ms < front[-1].recompute_ms:
+            front.append(plan)
+    return front

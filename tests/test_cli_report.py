@@ -1,0 +1,155 @@
+"""``ckpt-planner report`` as a subprocess on each input kind, checked against the Python API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner import simulate
+from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=600)
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                                                torch.nn.Linear(256, 64)) for _ in range(4)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saved")
+    torch.manual_seed(0)
+    model = Small().train()
+    x = torch.randn(256, 64)
+    torch.export.save(torch.export.export(model, (x,), strict=False), root / "small.pt2")
+    torch.save(model, root / "small.pkl")
+    torch.save({"not": "a module"}, root / "dict.pkl")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(root / "gpt2")
+    (root / "empty_dir").mkdir()
+    data = (root / "small.pt2").read_bytes()
+    (root / "truncated.pt2").write_bytes(data[: len(data) // 2])
+    (root / "garbage.pt2").write_bytes(os.urandom(4096))
+    return root, model, x
+
+
+def test_pt2_json_matches_python_api(saved):
+    root, model, x = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    program = torch.export.load(str(root / "small.pt2"))
+    graph = profile_graph(program.module(), (x,))
+    assert report["unoptimized"]["predicted_peak_bytes"] == simulate(graph).peak_bytes
+    assert report["unoptimized"]["measured_peak_bytes"] == measure_step_peak_bytes(model, StepInputs((x,)))
+    plan = report["plan"]
+    assert plan["budget_bytes"] == int(0.002 * 2**30)
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] < report["unoptimized"]["predicted_peak_bytes"]
+    assert plan["segment_count"] >= 1 and plan["recompute_flops"] > 0
+    assert report["largest_activations_by_node"][0]["saved_bytes"] == 256 * 256 * 4
+
+
+def test_huggingface_directory_text_report_and_plot(saved):
+    root, _, _ = saved
+    png = root / "out" / "gpt2.png"
+    result = cli("report", str(root / "gpt2"), "--budget-gb", "1", "--batch-size", "2", "--seq-len", "32",
+                 "--plot", str(png), "--sweep", "3")
+    assert result.returncode == 0, result.stderr
+    assert "unoptimized peak (measured)" in result.stdout and "Pareto front" in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(str(root / "gpt2")).train()
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    graph = profile_graph(trace_module(model, {"input_ids": ids, "labels": ids}), {"input_ids": ids, "labels": ids})
+    as_json = json.loads(cli("report", str(root / "gpt2"), "--budget-gb", "1", "--batch-size", "2",
+                             "--seq-len", "32", "--format", "json").stdout)
+    assert as_json["unoptimized"]["predicted_peak_bytes"] == simulate(graph).peak_bytes
+    assert as_json["unoptimized"]["measured_peak_bytes"] == graph.measured_peak_bytes
+
+
+def test_pickle_needs_the_flag_then_works_with_input_shapes(saved):
+    root, _, _ = saved
+    refused = cli("report", str(root / "small.pkl"), "--budget-gb", "1", "--input-shape", "256x64:float32")
+    assert refused.returncode == 2 and "--trust-pickle" in refused.stderr
+    ok = cli("report", str(root / "small.pkl"), "--budget-gb", "0.002", "--trust-pickle",
+             "--input-shape", "256x64:float32", "--format", "csv")
+    assert ok.returncode == 0, ok.stderr
+    header, row = ok.stdout.strip().splitlines()[:2]
+    assert header.startswith("kind,model,unoptimized_peak_bytes,budget_bytes,predicted_peak_bytes")
+    assert row.startswith("budget,small.pkl,")
+
+
+def test_markdown_format_and_input_shape_override_on_pt2(saved):
+    root, _, _ = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", "1", "--format", "markdown",
+                 "--input-shape", "256x64")
+    assert result.returncode == 0, result.stderr
+    assert "### Summary" in result.stdout and "| budget |" in result.stdout
+
+
+def test_infeasible_budget_exits_3_naming_the_minimum(saved):
+    root, _, _ = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", "0.0001")
+    assert result.returncode == 3
+    assert "smallest feasible budget is" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["missing.pt2"], "does not exist"),
+        (["truncated.pt2"], "torch.export"),
+        (["garbage.pt2"], "torch.export"),
+        (["small.pkl", "--trust-pickle"], "--input-shape"),
+        (["dict.pkl", "--trust-pickle", "--input-shape", "2x64"], "not an nn.Module"),
+        (["empty_dir"], "config.json"),
+        (["small.pt2", "--input-shape", "2xq"], "shape must look like"),
+        (["small.pt2", "--input-shape", "2x64:float5"], "unknown dtype"),
+        (["small.pt2", "--plot", "out.jpg"], "PNG"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(saved, args, message):
+    root, _, _ = saved
+    result = cli("report", *args, "--budget-gb", "1", cwd=root)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ckpt-planner")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (root / "out.jpg").exists()
+
+
+def test_unknown_format_is_a_usage_error(saved):
+    root, _, _ = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", "1", "--format", "xml")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "ckpt-planner"
+    if not script.exists():
+        pytest.fail("the ckpt-planner console script is not installed; pip install -e . declares it")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "report" in result.stdout and "plan" in result.stdout
