@@ -1,6 +1,7 @@
 """The ``ckpt-planner`` command.
 
     ckpt-planner report PATH --budget-gb 6 [--sweep] [--format text|json|csv|markdown] [--plot out.png]
+    ckpt-planner check TARGET --baseline memory.json [--tolerance 5%] [--budget-gb 6] [--update]
     ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
 
 ``report`` loads a saved model (a ``torch.export`` ``.pt2``, a HuggingFace ``save_pretrained``
@@ -16,6 +17,7 @@ smallest feasible budget).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -28,7 +30,7 @@ from planner.errors import InfeasibleBudgetError, PlannerError
 
 __all__ = ["main", "load_entry_point"]
 
-EXIT_OK, EXIT_USAGE, EXIT_INFEASIBLE = 0, 2, 3
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 
 
 def load_entry_point(spec: str) -> tuple[Any, Any]:
@@ -83,29 +85,93 @@ def _plan_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _report_command(args: argparse.Namespace) -> int:
-    from planner.pipeline import plan_for_budget
-    from planner.report import build_report, render
-    from planner.sweep import sweep
-    from profiling.load import load_model
-    from profiling.profile import profile_graph
-    from profiling.trace import trace_module
+def _entry_point_name(spec: str) -> str:
+    target, _, func = spec.rpartition(":")
+    return f"{Path(target).stem}:{func}" if target.endswith(".py") else spec
 
-    if args.plot and not str(args.plot).lower().endswith(".png"):
-        raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
+
+def _load_target(args: argparse.Namespace, allow_entry_point: bool) -> tuple[str, Any, Any]:
+    """``(name, module or captured graph, StepInputs)`` for a saved-model path or an entry point."""
+    from profiling.load import load_model
+    from profiling.measure import StepInputs
+
+    target = args.target
+    if allow_entry_point and not Path(target).exists() and ":" in target:
+        model, example_inputs = load_entry_point(target)
+        return _entry_point_name(target), model, StepInputs.from_example(example_inputs)
     loaded = load_model(
-        args.path,
+        target,
         input_shapes=args.input_shape,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         image_size=args.image_size,
         trust_pickle=args.trust_pickle,
     )
-    gm = loaded.module if loaded.is_graph else trace_module(loaded.module, loaded.inputs)
-    graph = profile_graph(gm, loaded.inputs)
+    return loaded.name, loaded.module, loaded.inputs
+
+
+def _captured(module: Any, inputs: Any) -> Any:
+    import torch.fx
+
+    from profiling.trace import trace_module
+
+    return module if isinstance(module, torch.fx.GraphModule) else trace_module(module, inputs)
+
+
+def _check_command(args: argparse.Namespace) -> int:
+    from planner.check import baseline_from, compare, junit_xml, parse_tolerance, read_baseline, render_check
+    from planner.check import write_baseline
+    from planner.pipeline import plan_for_budget
+    from profiling.profile import profile_graph
+
+    tolerance = parse_tolerance(args.tolerance)
+    baseline = None
+    if not args.update or Path(args.baseline).exists():
+        try:
+            baseline = read_baseline(args.baseline)
+        except PlannerError:
+            if not args.update:
+                raise
+    name, module, inputs = _load_target(args, allow_entry_point=True)
+    graph = profile_graph(_captured(module, inputs), inputs, fake=True)
+    budgets = [int(gb * 2**30) for gb in args.budget_gb or []]
+    if not budgets and baseline is not None:
+        budgets = [p["budget_bytes"] for p in baseline["plans"]]
+    plans = []
+    for budget in budgets:
+        try:
+            plans.append((budget, plan_for_budget(graph, budget / 2**30, max_stages=args.max_stages), None))
+        except InfeasibleBudgetError as exc:
+            plans.append((budget, None, exc.min_feasible_bytes))
+    current = baseline_from(graph, [(b, dataclasses.replace(p, budget_bytes=b) if p else None, m)
+                                    for b, p, m in plans], name)
+    if args.update:
+        if baseline is not None and baseline["model"] == name:
+            sys.stdout.write(render_check(compare(baseline, current, tolerance), args.format))
+        write_baseline(args.baseline, current)
+        print(f"baseline written to {args.baseline}", file=sys.stderr)
+        return EXIT_OK
+    assert baseline is not None
+    result = compare(baseline, current, tolerance)
+    sys.stdout.write(render_check(result, args.format))
+    if args.junit:
+        Path(args.junit).write_text(junit_xml(result))
+    return EXIT_REGRESSION if result.regressed else EXIT_OK
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from planner.pipeline import plan_for_budget
+    from planner.report import build_report, render
+    from planner.sweep import sweep
+    from profiling.profile import profile_graph
+
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
+    name, module, inputs = _load_target(args, allow_entry_point=False)
+    graph = profile_graph(_captured(module, inputs), inputs)
     plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages)
     plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
-    report = build_report(graph, plan, model_name=loaded.name, sweep_plans=plans)
+    report = build_report(graph, plan, model_name=name, sweep_plans=plans)
     sys.stdout.write(render(report, args.format))
     if args.plot:
         from planner.plot import plot_report
@@ -114,26 +180,45 @@ def _report_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_input_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-shape", action="append", metavar="SPEC",
+                        help="an input as 2x3x224x224:float32; repeat for several positional inputs")
+    parser.add_argument("--batch-size", type=int, default=1, help="HuggingFace directory: batch size")
+    parser.add_argument("--seq-len", type=int, default=128, help="HuggingFace directory: tokens per sequence")
+    parser.add_argument("--image-size", type=int, help="HuggingFace directory: image side in pixels")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow unpickling PATH (runs code from the file)")
+    parser.add_argument("--max-stages", type=int, default=32)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt-planner", description="Automatic activation-checkpoint planner.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="report what checkpointing buys on a saved model")
-    report.add_argument("path", help="a .pt2 from torch.export.save, a save_pretrained directory, or a pickled module")
+    report.add_argument("target", metavar="PATH",
+                        help="a .pt2 from torch.export.save, a save_pretrained directory, or a pickled module")
     report.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
     report.add_argument("--sweep", type=int, nargs="?", const=8, default=0, metavar="N",
                         help="also plan N budgets (default 8) from the minimum to the unoptimized peak")
     report.add_argument("--format", choices=("text", "json", "csv", "markdown"), default="text")
     report.add_argument("--plot", metavar="FILE.png", help="draw memory over the step (and the Pareto front)")
-    report.add_argument("--input-shape", action="append", metavar="SPEC",
-                        help="an input as 2x3x224x224:float32; repeat for several positional inputs")
-    report.add_argument("--batch-size", type=int, default=1, help="HuggingFace directory: batch size")
-    report.add_argument("--seq-len", type=int, default=128, help="HuggingFace directory: tokens per sequence")
-    report.add_argument("--image-size", type=int, help="HuggingFace directory: image side in pixels")
-    report.add_argument("--trust-pickle", action="store_true",
-                        help="allow unpickling PATH (runs code from the file)")
-    report.add_argument("--max-stages", type=int, default=32)
+    _add_input_options(report)
     report.set_defaults(func=_report_command)
+
+    check = sub.add_parser("check", help="fail when peak training memory grew against a baseline file")
+    check.add_argument("target", metavar="TARGET",
+                       help="a saved model (as for report) or file.py:function / module:function "
+                            "returning (model, example_inputs)")
+    check.add_argument("--baseline", required=True, metavar="FILE.json", help="the baseline to compare with")
+    check.add_argument("--tolerance", default="5%", help="allowed growth of the peak, e.g. 5%% or 0.05 (default 5%%)")
+    check.add_argument("--budget-gb", type=float, action="append",
+                       help="also plan at this budget (repeatable); default: the baseline's budgets")
+    check.add_argument("--update", action="store_true", help="write the current figures as the new baseline")
+    check.add_argument("--format", choices=("text", "json"), default="text")
+    check.add_argument("--junit", metavar="FILE.xml", help="also write the result as JUnit XML")
+    _add_input_options(check)
+    check.set_defaults(func=_check_command)
 
     plan = sub.add_parser("plan", help="plan checkpoints for a model given by a Python entry point")
     plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")

@@ -156,6 +156,18 @@ class CostGraph:
     def node(self, name: str) -> CostNode:
         return self.nodes[self.index[name]]
 
+    def saved_bytes_by_node(self) -> dict[str, int]:
+        """Activation bytes each node saves for backward, each storage counted at its first saver."""
+        sizes = self.storage_by_key
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for node in self.nodes:
+            fresh = [k for k in node.saved_storages if not sizes[k].persistent and k not in seen]
+            seen.update(fresh)
+            if fresh:
+                out[node.name] = sum(sizes[k].size_bytes for k in fresh)
+        return out
+
     def to_frame(self) -> "pandas.DataFrame":
         """One row per node: name, op, kind, output and saved bytes, time, FLOPs, flags."""
         import pandas

@@ -95,19 +95,6 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _saved_bytes_by_node(graph: CostGraph) -> dict[str, int]:
-    """Bytes each node saves for backward, each storage counted at its first saver."""
-    sizes = graph.storage_by_key
-    seen: set[int] = set()
-    out: dict[str, int] = {}
-    for node in graph.nodes:
-        fresh = [k for k in node.saved_storages if not sizes[k].persistent and k not in seen]
-        seen.update(fresh)
-        if fresh:
-            out[node.name] = sum(sizes[k].size_bytes for k in fresh)
-    return out
-
-
 def build_report(
     graph: CostGraph,
     plan: Plan,
@@ -119,7 +106,7 @@ def build_report(
     """Gather the report for ``plan`` (made from ``graph``) and an optional sweep."""
     unoptimized = simulate(graph)
     planned = simulate(graph, [s.node_names for s in plan.segments])
-    saved = _saved_bytes_by_node(graph)
+    saved = graph.saved_bytes_by_node()
     recomputed = set(plan.recomputed_nodes)
     by_module: dict[str, int] = defaultdict(int)
     for name, size in saved.items():

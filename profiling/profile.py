@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -32,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import ProfileError
 from profiling.measure import StepInputs, loss_of, measure_step_peak_bytes, preserved_state, run_step
+from profiling.roofline import estimate_ms
 from profiling.temporaries import measure_node_peaks
 
 __all__ = ["profile_graph", "flat_graph_inputs"]
@@ -71,15 +73,12 @@ class _StorageTable:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return None
-        ptr = storage.data_ptr()
+        ptr = storage._cdata  # the StorageImpl: shared by views, works for fake tensors too
         if ptr not in self.key_of_ptr:
             self.key_of_ptr[ptr] = len(self.storages)
             self.storages.append(Storage(len(self.storages), nbytes, persistent))
             self.keep.append(t)
         return self.key_of_ptr[ptr]
-
-    def known(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.key_of_ptr
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -96,6 +95,28 @@ def _is_mutating(node: torch.fx.Node) -> bool:
     if node.op == "call_module":
         return str(node.target).startswith("_guards")
     return False
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(a, FakeTensor):
+        return True  # no values to compare; version counters and op names decide
+    return bool(torch.equal(a, b))
+
+
+_RUNNING_STATS_OPS = ("batch_norm", "instance_norm")
+
+
+def _updates_running_stats(node: torch.fx.Node) -> bool:
+    """Normalisation ops in training mode update running statistics in place."""
+    name = str(node.target)
+    if node.op == "call_module":
+        return False
+    if not any(op in name for op in _RUNNING_STATS_OPS):
+        return False
+    training = [a for a in node.args if isinstance(a, bool)]
+    return bool(training and training[0]) or node.kwargs.get("training", False) is True
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -136,13 +157,20 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
     def __init__(self, gm: torch.fx.GraphModule, table: _StorageTable, timing_repeats: int,
-                 device: torch.device) -> None:
+                 device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.to_fake = to_fake
         self.table = table
         self.timing_repeats = timing_repeats
         self.time = _timer(device)
         self.records: dict[str, dict[str, Any]] = {}
-        self.buffer_ids = {id(b) for b in gm.buffers()}
+        self.buffer_ids = {id(to_fake(b) if to_fake else b) for b in gm.buffers()}
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if self.to_fake is not None and isinstance(value, torch.Tensor):
+            return self.to_fake(value)
+        return value
 
     def run_node(self, n: torch.fx.Node) -> Any:
         saved: list[torch.Tensor] = []
@@ -173,7 +201,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         mutating = (
             _is_mutating(n)
             or any(t._version != v for t, v in before)
-            or any(not torch.equal(t, copy) for t, copy in buffers_before)  # kernels that skip the version bump
+            or any(not _same(t, copy) for t, copy in buffers_before)  # kernels that skip the version bump
+            or _updates_running_stats(n)
         )
         if n.op in ("call_function", "call_method") and not mutating and self.timing_repeats > 1:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -199,56 +228,97 @@ def profile_graph(
     timing_repeats: int = 3,
     measure_peak: bool = True,
     step_repeats: int = 3,
+    fake: bool = False,
+    target: str = "cpu",
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
     model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
     allocator and stored as ``measured_peak_bytes``.
+
+    With ``fake=True`` nothing is allocated or run for real: the graph runs on fake tensors
+    (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine,
+    without op-internal temporaries), times from a FLOP and bytes roofline for ``target``
+    (see :mod:`profiling.roofline`), and nothing is measured.
     """
     inputs = StepInputs.from_example(example_inputs)
     flat = flat_graph_inputs(gm, inputs)
     tensors = [t for t in (*gm.parameters(), *gm.buffers(), *inputs.tensors())]
     device = tensors[0].device if tensors else torch.device("cpu")
+    to_fake, fake_mode = _fake_converter() if fake else (None, None)
     table = _StorageTable()
-    for t in (*gm.parameters(), *gm.buffers(), *_tensors(flat)):
-        table.key(t, persistent=True)
-    for name, value in vars(gm).items():  # lifted tensor constants
-        if isinstance(value, torch.Tensor):
-            table.key(value, persistent=True)
+    constants = [v for v in vars(gm).values() if isinstance(v, torch.Tensor)]  # lifted tensor constants
+    for t in (*gm.parameters(), *gm.buffers(), *_tensors(flat), *constants):
+        table.key(to_fake(t) if to_fake else t, persistent=True)
+    if to_fake:
+        flat = [to_fake(v) if isinstance(v, torch.Tensor) else v for v in flat]
 
-    interp = _ProfilingInterpreter(gm, table, timing_repeats, device)
-    with preserved_state(gm):
+    interp = _ProfilingInterpreter(gm, table, 1 if fake else timing_repeats, device, to_fake)
+    with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
         flat_out = interp.run(*flat, enable_io_processing=False)
         out_spec = getattr(gm, "_out_spec", None)
         leaves = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
         output = tree_unflatten(leaves, out_spec) if out_spec is not None else flat_out
         loss = loss_of(output)
         loss.backward()
-        step_times = []
-        timer = _timer(device)
-        for _ in range(step_repeats):
-            step_times.append(timer(lambda: run_step(gm, inputs)))
-        forward_peaks, backward_peaks = measure_node_peaks(gm, inputs)
-        nodes = _cost_nodes(gm, interp, table, forward_peaks, backward_peaks)
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
-        loss_names = tuple(
-            name for name in output_names if interp.records[name]["result"] is loss
-        )
+        loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
         del loss, output, flat_out, leaves
+    if fake:
+        forward_peaks: dict[str, int] = {}
+        backward_peaks: dict[str, int] = {}
+        _roofline_times(gm, interp, target)
+        step_times: list[float] = []
+    else:
+        with preserved_state(gm):
+            timer = _timer(device)
+            step_times = [timer(lambda: run_step(gm, inputs)) for _ in range(step_repeats)]
+            forward_peaks, backward_peaks = measure_node_peaks(gm, inputs)
+    nodes = _cost_nodes(gm, interp, table, forward_peaks, backward_peaks)
     graph = CostGraph(
         nodes=nodes,
         storages=tuple(table.storages),
         output_names=output_names,
         loss_names=loss_names,
-        step_ms=statistics.median(step_times) if step_times else 0.0,
+        # with no measured step, forward plus backward is taken as three forwards
+        step_ms=statistics.median(step_times) if step_times else 3 * sum(n.time_ms for n in nodes),
         segment_overhead_bytes=_rng_state_bytes(device),
-        measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak else None,
-        metadata={"device": str(device)},
+        measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak and not fake else None,
+        metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target},
     )
-    log.info("profiled %d nodes, %d storages", len(nodes), len(table.storages))
+    log.info("profiled %d nodes, %d storages%s", len(nodes), len(table.storages), " (fake tensors)" if fake else "")
     return graph
+
+
+def _fake_converter() -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """A FakeTensorMode and a memoised real-to-fake converter (same real tensor, same fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    made: dict[int, torch.Tensor] = {}
+    keep: list[torch.Tensor] = []
+
+    def to_fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = mode.from_tensor(t, static_shapes=True)
+            keep.append(t)  # the id stays this tensor's while the converter lives
+        return made[id(t)]
+
+    return to_fake, mode
+
+
+def _roofline_times(gm: torch.fx.GraphModule, interp: "_ProfilingInterpreter", target: str) -> None:
+    """Replace the (meaningless) fake-tensor timings by roofline estimates for ``target``."""
+    for n in gm.graph.nodes:
+        rec = interp.records.get(n.name)
+        if rec is None or n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        moved = sum(t.numel() * t.element_size() for t in _tensors(rec["result"]))
+        for a in n.all_input_nodes:
+            moved += sum(t.numel() * t.element_size() for t in _tensors(interp.records[a.name]["result"]))
+        rec["time_ms"] = estimate_ms(rec["flops"], moved, target)
 
 
 def _rng_state_bytes(device: torch.device) -> int:
@@ -267,8 +337,8 @@ def _cost_nodes(
     backward_peaks: dict[str, int],
 ) -> tuple[CostNode, ...]:
     nodes: list[CostNode] = []
-    params = {id(p) for p in gm.parameters()}
-    buffers = {id(b) for b in gm.buffers()}
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
@@ -277,20 +347,19 @@ def _cost_nodes(
         if n.op == "placeholder":
             kind = "input"
         elif n.op == "get_attr":
-            kind = "param" if any(id(t) in params for t in outs) else (
-                "buffer" if any(id(t) in buffers for t in outs) else "constant")
+            kind = "param" if n.target in params else ("buffer" if n.target in buffers else "constant")
         else:
             kind = "compute"
         inputs = tuple(dict.fromkeys(a.name for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, torch.fx.Node)))
         input_ptrs = {
-            t.untyped_storage().data_ptr()
+            t.untyped_storage()._cdata
             for name in inputs
             for t in _tensors(interp.records[name]["result"])
         }
         out_keys = [k for t in outs if (k := table.key(t, persistent=kind != "compute")) is not None]
         saved_keys = [k for t in rec["saved"] if (k := table.key(t)) is not None]
         is_alias = kind == "compute" and bool(outs) and all(
-            t.untyped_storage().data_ptr() in input_ptrs for t in outs
+            t.untyped_storage()._cdata in input_ptrs for t in outs
         )
         nodes.append(
             CostNode(

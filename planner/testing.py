@@ -1,0 +1,51 @@
+"""A pytest helper for teams that prefer a test to a CLI check.
+
+    from planner.testing import assert_peak_memory
+
+    def test_training_step_fits():
+        model, batch = build_model(), make_batch()
+        assert_peak_memory(model, batch, max_gb=6)
+
+The peak is predicted from tensor sizes on fake tensors (the same bytes on every machine,
+op-internal temporaries left out), so the test is deterministic and allocates nothing big.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.plan import GIB
+
+__all__ = ["predicted_peak_bytes", "assert_peak_memory"]
+
+
+def predicted_peak_bytes(model: Any, example_inputs: Any) -> tuple[int, dict[str, int]]:
+    """Predicted unoptimized training-step peak and the saved activation bytes per node."""
+    from planner.simulate import simulate
+    from profiling.profile import profile_graph
+    from profiling.trace import trace_module
+
+    graph = profile_graph(trace_module(model, example_inputs), example_inputs, fake=True)
+    return simulate(graph).peak_bytes, graph.saved_bytes_by_node()
+
+
+def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: int = 5) -> int:
+    """Fail with ``AssertionError`` when one training step of ``model`` would peak above ``max_gb`` GiB.
+
+    Returns the predicted peak in bytes. The message names the nodes saving the most.
+
+    Example:
+        >>> import torch
+        >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb=0.001)
+        960
+    """
+    peak, saved = predicted_peak_bytes(model, example_inputs)
+    limit = int(max_gb * GIB)
+    if peak > limit:
+        largest = sorted(saved.items(), key=lambda kv: -kv[1])[:top]
+        names = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in largest)
+        raise AssertionError(
+            f"predicted training-step peak {peak / GIB:.4f} GiB exceeds max_gb={max_gb} "
+            f"({peak} > {limit} bytes); largest saved activations: {names or 'none'}"
+        )
+    return peak
