@@ -56,3 +56,32 @@ def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> 
     model = GPT2LMHeadModel(config).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq_len))
     return model, {"input_ids": ids, "labels": ids}
+
+
+def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """A small Llama causal language model from a config, with token ids and labels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=4096, max_position_embeddings=max(seq_len, 64), use_cache=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """A small BERT masked language model from a config (dropout on), with token ids and labels."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=4096, max_position_embeddings=max(seq_len, 64), pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(config).train()
+    ids = torch.randint(1, config.vocab_size, (batch, seq_len))
+    return model, {"input_ids": ids, "labels": ids}
