@@ -67,6 +67,9 @@ class CostNode:
         forward_peak_bytes: measured bytes the node's forward allocates at its high point,
             temporaries included (0 when unknown: the simulator then uses tensor sizes alone).
         backward_peak_bytes: the same for the node's backward.
+        selective_save: under a selective checkpoint policy (matmuls, convolutions and attention
+            kept, the rest recomputed), this node's outputs are saved in the forward instead of
+            recomputed.
     """
 
     name: str
@@ -85,6 +88,7 @@ class CostNode:
     module: str = ""
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
+    selective_save: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:

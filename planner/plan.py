@@ -23,11 +23,21 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Segment:
-    """A contiguous run of nodes run under one ``torch.utils.checkpoint`` call."""
+    """A contiguous run of nodes run under one ``torch.utils.checkpoint`` call.
+
+    A selective segment keeps the outputs of ``kept_nodes`` (its matmuls) from the forward, under
+    a selective checkpoint policy, and recomputes only the rest; ``recompute_ms`` and
+    ``recompute_flops`` count what is actually recomputed.
+    """
 
     node_names: tuple[str, ...]
     recompute_ms: float
     recompute_flops: int
+    kept_nodes: tuple[str, ...] = ()
+
+    @property
+    def selective(self) -> bool:
+        return bool(self.kept_nodes)
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,8 @@ class Plan:
 
     @property
     def recomputed_nodes(self) -> tuple[str, ...]:
-        return tuple(name for s in self.segments for name in s.node_names)
+        """Nodes run again in the backward (a selective segment's kept nodes are not)."""
+        return tuple(name for s in self.segments for name in s.node_names if name not in s.kept_nodes)
 
     @property
     def overhead_ratio(self) -> float:
@@ -85,7 +96,8 @@ class Plan:
         for k, seg in enumerate(self.segments):
             lines.append(
                 f"  segment {k}: {seg.node_names[0]} .. {seg.node_names[-1]} "
-                f"({len(seg.node_names)} nodes, {seg.recompute_ms:.2f} ms)"
+                f"({len(seg.node_names)} nodes, {seg.recompute_ms:.2f} ms"
+                f"{', selective: matmuls kept' if seg.selective else ''})"
             )
         return "\n".join(lines)
 
@@ -94,8 +106,8 @@ class Plan:
         import pandas
 
         rows = [
-            {"segment": k, "node": name}
+            {"segment": k, "node": name, "selective": seg.selective}
             for k, seg in enumerate(self.segments)
             for name in seg.node_names
         ]
-        return pandas.DataFrame(rows, columns=["segment", "node"])
+        return pandas.DataFrame(rows, columns=["segment", "node", "selective"])

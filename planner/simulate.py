@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from planner.costgraph import CostGraph
+from planner.plan import Segment
 
 __all__ = ["SimulationResult", "simulate", "validate_segments"]
 
@@ -126,13 +127,26 @@ class _Memory:
             self.peak_at = (phase, node)
 
 
-def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> SimulationResult:
+def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> SimulationResult:
     """Predict the peak bytes of one forward plus backward with ``segments`` recomputed.
 
-    ``segments`` are lists of node names; each must be a contiguous run of recomputable
-    compute nodes (see :func:`validate_segments`). No segments is the unoptimized step.
+    ``segments`` are :class:`planner.plan.Segment` objects or plain lists of node names (fully
+    recomputed); each must be a contiguous run of recomputable compute nodes (see
+    :func:`validate_segments`). No segments is the unoptimized step. In a selective segment the
+    outputs of its ``kept_nodes`` are kept from the forward (held until the segment's recompute
+    hands them to the backward) and those nodes are not re-run.
     """
-    seg_indices = validate_segments(graph, segments)
+    names: list[Sequence[str]] = []
+    kept: list[frozenset[str]] = []
+    for seg in segments:
+        if isinstance(seg, Segment):
+            names.append(seg.node_names)
+            kept.append(frozenset(seg.kept_nodes))
+        else:
+            names.append(seg)
+            kept.append(frozenset())
+    seg_indices = validate_segments(graph, names)
+    cached: list[set[int]] = [set() for _ in seg_indices]
     nodes = graph.nodes
     sizes = graph.storage_by_key
     persistent = {k for k, s in sizes.items() if s.persistent}
@@ -169,6 +183,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
                 mem.hold(k)
             mem.alloc(("segment_state", s), graph.segment_overhead_bytes)
         new_bytes = 0
+        keep_output = s is not None and node.name in kept[s]
         for k in (*node.output_storages, *node.saved_storages):
             if k in persistent:
                 continue
@@ -176,6 +191,9 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
                 new_bytes += sizes[k].size_bytes
                 if last_use.get(k, i) > i or k in returned:
                     mem.hold(k)  # the forward reference, dropped after the last reader
+                if keep_output:
+                    cached[s].add(k)
+                    mem.hold(k)  # the selective policy's cache, emptied by the recompute
         if s is None:
             for k in set(node.saved_storages) - persistent:
                 mem.hold(k)
@@ -212,7 +230,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
         runs_backward = own in mem.refs
         if runs_backward and s is not None and s not in recomputed and node.saved_storages:
             recomputed.add(s)
-            _recompute(graph, seg_indices[s], seg_inputs[s], persistent, mem)
+            _recompute(graph, seg_indices[s], seg_inputs[s], cached[s], persistent, mem)
         if runs_backward:
             transient = 0
             new_bytes = 0
@@ -241,7 +259,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
             if s is None:
                 mem.release(k)
             else:
-                mem.release(("recomputed", k))
+                mem.release(k if k in cached[s] else ("recomputed", k))
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
                 mem.release(k)
@@ -256,9 +274,12 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str]] = ()) -> Simula
 
 
 def _recompute(
-    graph: CostGraph, idx: list[int], inputs: set[int], persistent: set[int], mem: _Memory
+    graph: CostGraph, idx: list[int], inputs: set[int], cached: set[int], persistent: set[int], mem: _Memory
 ) -> None:
-    """Re-run a segment's forward into fresh storages, up to its last saving node."""
+    """Re-run a segment's forward into fresh storages, up to its last saving node.
+
+    Storages in ``cached`` (kept by a selective policy) are handed over instead of recomputed.
+    """
     nodes = graph.nodes
     sizes = graph.storage_by_key
     stop = max(i for i in idx if nodes[i].saved_storages)
@@ -272,9 +293,13 @@ def _recompute(
             if name in inside:
                 for k in nodes[graph.index[name]].output_storages:
                     last_use[k] = max(last_use.get(k, i), i)
+    def key(k: int) -> object:
+        return k if k in cached else ("recomputed", k)
+
     for i in run:
         node = nodes[i]
-        fresh = [k for k in (*node.output_storages, *node.saved_storages) if k not in persistent and k not in inputs]
+        fresh = [k for k in (*node.output_storages, *node.saved_storages)
+                 if k not in persistent and k not in inputs and k not in cached]
         new_bytes = 0
         for k in fresh:
             if mem.alloc(("recomputed", k), sizes[k].size_bytes):
@@ -282,11 +307,14 @@ def _recompute(
                 if last_use.get(k, i) > i:
                     mem.hold(("recomputed", k))
         for k in set(node.saved_storages) - persistent - inputs:
-            mem.hold(("recomputed", k))
-        mem.observe("recompute", node.name, max(0, node.forward_peak_bytes - new_bytes))
+            mem.hold(key(k))
+        reruns = not any(k in cached for k in node.output_storages)
+        mem.observe("recompute", node.name, max(0, node.forward_peak_bytes - new_bytes) if reruns else 0)
         for k in set(fresh):
             mem.free_if_unheld(("recomputed", k))
         read = {k for name in node.input_names if name in inside for k in nodes[graph.index[name]].output_storages}
-        for k in read - inputs - persistent:
+        for k in read - inputs - persistent - cached:
             if last_use.get(k) == i:
                 mem.release(("recomputed", k))
+    for k in cached:
+        mem.release(k)  # the policy's cache is empty once the recompute has run

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -81,6 +82,11 @@ class _StageModel:
     segments: list[tuple[int, int]]
     recomputed: dict[tuple[int, int], float]
     segment_overhead: float
+    selective_time_ms: list[float]
+    selective_flops: list[int]
+    selective_segments: list[tuple[int, int]]
+    recomputed_selective: dict[tuple[int, int], float]
+    kept: dict[str, bool]
 
 
 def available_solvers() -> list[str]:
@@ -119,7 +125,9 @@ def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVaria
     return pulp.LpVariable(name, **kwargs)
 
 
-def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int) -> _StageModel:
+def _stage_model(
+    graph: CostGraph, stages: list[Stage], max_segment_stages: int, allow_selective: bool = True
+) -> _StageModel:
     sizes_b = graph.storage_by_key
     persistent = {k for k, s in sizes_b.items() if s.persistent}
     stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
@@ -139,12 +147,26 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
     saves: list[set[int]] = [set() for _ in stages]
     time_ms = [0.0] * k_count
     flops = [0] * k_count
+    selective_time = [0.0] * k_count
+    selective_flops = [0] * k_count
+    has_kept = [False] * k_count
+    cached: set[int] = set()
+    cached_at: dict[int, int] = {}
     transient = [0.0] * k_count
     grads = [0.0] * k_count
     for node in nodes:
         j = stage_of[node.name]
         time_ms[j] += node.time_ms
         flops[j] += node.flops
+        if node.selective_save:
+            has_kept[j] = True
+            cached.update(k for k in (*node.output_storages, *node.saved_storages)
+                          if k not in persistent and k not in produced_at)
+            cached_at.update({k: j for k in (*node.output_storages, *node.saved_storages)
+                              if k not in persistent and k not in produced_at})
+        else:
+            selective_time[j] += node.time_ms
+            selective_flops[j] += node.flops
         for k in (*node.output_storages, *node.saved_storages):
             if k not in persistent:
                 produced_at.setdefault(k, j)
@@ -204,24 +226,37 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
         if k not in returned:
             holders.setdefault(k, []).extend((q, "saver", q) for q in qs)
     segments: list[tuple[int, int]] = []
+    selective_segments: list[tuple[int, int]] = []
     recomputed: dict[tuple[int, int], float] = {}
+    recomputed_selective: dict[tuple[int, int], float] = {}
     for a in range(k_count):
         seen: set[int] = set()
-        fresh = 0.0
+        fresh = fresh_selective = 0.0
         for j in range(a, k_count):
             for k in saves[j]:
                 if k not in seen and produced_at[k] >= a:
                     seen.add(k)
                     fresh += sizes_b[k].size_bytes / MIB
+                    if k not in cached:
+                        fresh_selective += sizes_b[k].size_bytes / MIB
             recomputed[(a, j)] = fresh
+            recomputed_selective[(a, j)] = fresh_selective
         inputs: set[int] = set()
+        kept = False
         for b in range(a, min(k_count, a + max_segment_stages)):
             if not stages[b].recomputable:
                 break
             segments.append((a, b))
+            kept = kept or has_kept[b]
+            if kept:
+                selective_segments.append((a, b))
             inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
             for k in inputs - returned:
                 holders.setdefault(k, []).append((a, "input", (a, b)))
+    if allow_selective:
+        for k, p in cached_at.items():  # a selective segment covering stage p keeps these from the forward
+            if k not in returned:
+                holders.setdefault(k, []).append((p, "cache", p))
     return _StageModel(
         stages=stages,
         base=base_bytes / MIB,
@@ -238,6 +273,11 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
         segments=segments,
         recomputed=recomputed,
         segment_overhead=graph.segment_overhead_bytes / MIB,
+        selective_time_ms=selective_time,
+        selective_flops=selective_flops,
+        selective_segments=selective_segments if allow_selective else [],
+        recomputed_selective=recomputed_selective,
+        kept={n.name: n.selective_save for n in nodes},
     )
 
 
@@ -246,19 +286,21 @@ def _solve_ilp(
     budget_mib: float | None,
     solver_name: str | None,
     time_limit_s: float,
-) -> tuple[list[tuple[int, int]], str] | None:
+) -> tuple[list[tuple[int, int, bool]], str] | None:
     """Solve once. ``budget_mib=None`` minimises the peak instead of the recompute time.
 
-    Returns the chosen ``(first_stage, last_stage)`` segments and the solver name, or None
-    when the model is infeasible.
+    Returns the chosen ``(first_stage, last_stage, selective)`` segments and the solver name, or
+    None when the model is infeasible.
     """
     k_count = len(model.stages)
     segs = model.segments
     name, solver = _make_solver(solver_name, time_limit_s)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
     y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
+    z = {s: _variable(prob, f"selective_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in model.selective_segments}
     total_ms = sum(model.time_ms) or 1.0
     cost = pulp.lpSum(y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs)
+    cost += pulp.lpSum(z[(a, b)] * (sum(model.selective_time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in z)
     if budget_mib is None:
         peak = _variable(prob, "peak_mib", lowBound=0)
         bound: pulp.LpAffineExpression | float = peak
@@ -270,7 +312,8 @@ def _solve_ilp(
     for a, b in segs:
         for j in range(a, b + 1):
             covering[j].append((a, b))
-    cov = [pulp.lpSum(y[s] for s in covering[j]) for j in range(k_count)]
+    cov = [pulp.lpSum(y[s] for s in covering[j]) + pulp.lpSum(z[s] for s in covering[j] if s in z)
+           for j in range(k_count)]
     for j in range(k_count):
         if covering[j]:
             prob += cov[j] <= 1, f"one_segment_covers_stage_{j}"
@@ -283,8 +326,12 @@ def _solve_ilp(
         groups.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
     held_terms: list[list[tuple[list[int], Any]]] = [[] for _ in range(k_count)]
     for g, (holders, keys) in enumerate(groups.items()):
-        def holder_expr(kind: str, ref: object) -> Any:
-            return (1 - cov[ref]) if kind == "saver" else y[ref]  # type: ignore[index]
+        def holder_expr(kind: str, ref: Any) -> Any:
+            if kind == "saver":
+                return 1 - cov[ref]
+            if kind == "cache":
+                return pulp.lpSum(z[s] for s in covering[ref] if s in z)
+            return y[ref] + z[ref] if ref in z else y[ref]
 
         first = min(pos for pos, _, _ in holders)
         if len(holders) == 1:
@@ -310,13 +357,15 @@ def _solve_ilp(
         stored_not_live = pulp.lpSum(
             sum(model.sizes[k] for k in keys if k not in live) * h for keys, h in held_terms[j]
         )
-        open_segments = pulp.lpSum(y[s] for s in segs if s[0] <= j) * model.segment_overhead
+        open_segments = (pulp.lpSum(y[s] for s in segs if s[0] <= j)
+                         + pulp.lpSum(z[s] for s in z if s[0] <= j)) * model.segment_overhead
         prob += (
             model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j]
             + open_segments <= bound,
             f"forward_stage_{j}",
         )
         recompute = pulp.lpSum(model.recomputed[(s[0], j)] * y[s] for s in covering[j])
+        recompute += pulp.lpSum(model.recomputed_selective[(s[0], j)] * z[s] for s in covering[j] if s in z)
         prob += (
             model.base + model.param_grads[j] + model.grads_in_flight[j] + stored + recompute
             + open_segments <= bound,
@@ -331,24 +380,32 @@ def _solve_ilp(
         return None
     if prob.sol_status == pulp.LpSolutionIntegerFeasible:
         log.warning("%s stopped at its time limit; the plan is feasible but may not be optimal", name)
-    chosen = [s for s in segs if (y[s].value() or 0) > 0.5]
-    return chosen, name
+    chosen = [(a, b, False) for (a, b) in segs if (y[(a, b)].value() or 0) > 0.5]
+    chosen += [(a, b, True) for (a, b) in z if (z[(a, b)].value() or 0) > 0.5]
+    return sorted(chosen), name
+
+
+def _segments(model: _StageModel, chosen: list[tuple[int, int, bool]]) -> list[Segment]:
+    """The chosen ``(first_stage, last_stage, selective)`` runs as Segments with their recompute cost."""
+    out = []
+    for a, b, selective in sorted(chosen):
+        names = tuple(n for st in model.stages[a : b + 1] for n in st.node_names)
+        times = model.selective_time_ms if selective else model.time_ms
+        flops = model.selective_flops if selective else model.flops
+        kept = tuple(n for n in names if model.kept[n]) if selective else ()
+        out.append(Segment(names, sum(times[a : b + 1]), sum(flops[a : b + 1]), kept))
+    return out
 
 
 def _to_plan(
     graph: CostGraph,
-    model: _StageModel,
-    chosen: list[tuple[int, int]],
+    segments: list[Segment],
     budget_bytes: int,
     unoptimized_peak_bytes: int,
     peak_bytes: int,
     solver: str,
     solve_s: float,
 ) -> Plan:
-    segments = []
-    for a, b in sorted(chosen):
-        names = tuple(n for st in model.stages[a : b + 1] for n in st.node_names)
-        segments.append(Segment(names, sum(model.time_ms[a : b + 1]), sum(model.flops[a : b + 1])))
     return Plan(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=peak_bytes,
@@ -363,16 +420,13 @@ def _to_plan(
     )
 
 
-def _segment_names(model: _StageModel, chosen: list[tuple[int, int]]) -> list[tuple[str, ...]]:
-    return [tuple(n for st in model.stages[a : b + 1] for n in st.node_names) for a, b in chosen]
-
-
 def minimum_peak_plan(
     graph: CostGraph,
     *,
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
+    selective: bool = True,
 ) -> Plan:
     """The plan with the smallest peak the ILP finds, whatever it costs.
 
@@ -380,16 +434,17 @@ def minimum_peak_plan(
     """
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages))
+    model = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=selective)
     unoptimized = simulate(graph).peak_bytes
     result = _solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
         raise SolverError("the minimum-peak model was reported infeasible")
     chosen, name = result
-    peak = simulate(graph, _segment_names(model, chosen)).peak_bytes
+    segments = _segments(model, chosen)
+    peak = simulate(graph, segments).peak_bytes
     if peak > unoptimized:
-        chosen, peak = [], unoptimized
-    return _to_plan(graph, model, chosen, peak, unoptimized, peak, name, time.perf_counter() - started)
+        segments, peak = [], unoptimized
+    return _to_plan(graph, segments, peak, unoptimized, peak, name, time.perf_counter() - started)
 
 
 def solve(
@@ -400,8 +455,12 @@ def solve(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     max_attempts: int = 8,
+    selective: bool = True,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
+
+    With ``selective``, a segment may also run under a selective policy that keeps its matmul
+    outputs and recomputes only the rest.
 
     Raises:
         InfeasibleBudgetError: no plan found fits; the error names the smallest peak reached.
@@ -415,31 +474,53 @@ def solve(
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     started = time.perf_counter()
     unoptimized = simulate(graph).peak_bytes
-    stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages))
     if unoptimized <= budget_bytes:
-        return _to_plan(graph, model, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
+        return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
+    stages = build_stages(graph, max_stages)
+    model = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=selective)
+    plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
+    if selective and (plan is None or plan.solver.endswith("(tightened)")):
+        # the selective account was optimistic somewhere: a plan without selective segments may
+        # now be cheaper than the tightened one
+        plain = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=False)
+        other = _tightened(graph, plain, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
+        if other is not None and (plan is None or other.recompute_ms < plan.recompute_ms):
+            plan = other
+    if plan is not None:
+        return dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
+    fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                 selective=selective)
+    if fallback.predicted_peak_bytes <= budget_bytes:
+        return _to_plan(graph, list(fallback.segments), budget_bytes, unoptimized, fallback.predicted_peak_bytes,
+                        fallback.solver, time.perf_counter() - started)
+    raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
+
+
+def _tightened(
+    graph: CostGraph,
+    model: _StageModel,
+    budget_bytes: int,
+    unoptimized: int,
+    solver: str | None,
+    time_limit_s: float,
+    max_attempts: int,
+    started: float,
+) -> Plan | None:
+    """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
+    fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
+    ``(tightened)`` in its solver name."""
     target_mib = budget_bytes / MIB
     for attempt in range(max_attempts):
         result = _solve_ilp(model, target_mib, solver, time_limit_s)
         if result is None:
-            break
+            return None
         chosen, name = result
-        peak = simulate(graph, _segment_names(model, chosen)).peak_bytes
+        segments = _segments(model, chosen)
+        peak = simulate(graph, segments).peak_bytes
         log.info("attempt %d: %d segments, simulated peak %.1f MiB (budget %.1f MiB)",
                  attempt, len(chosen), peak / MIB, budget_bytes / MIB)
         if peak <= budget_bytes:
-            return _to_plan(graph, model, chosen, budget_bytes, unoptimized, peak, name,
-                            time.perf_counter() - started)
+            label = f"{name} (tightened)" if attempt else name
+            return _to_plan(graph, segments, budget_bytes, unoptimized, peak, label, time.perf_counter() - started)
         target_mib -= (peak - budget_bytes) / MIB + 0.5
-    fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
-    if fallback.predicted_peak_bytes <= budget_bytes:
-        return _to_plan(graph, model, _stage_ranges(model, fallback), budget_bytes, unoptimized,
-                        fallback.predicted_peak_bytes, fallback.solver, time.perf_counter() - started)
-    raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
-
-
-def _stage_ranges(model: _StageModel, plan: Plan) -> list[tuple[int, int]]:
-    first = {st.node_names[0]: j for j, st in enumerate(model.stages)}
-    last = {st.node_names[-1]: j for j, st in enumerate(model.stages)}
-    return [(first[s.node_names[0]], last[s.node_names[-1]]) for s in plan.segments]
+    return None

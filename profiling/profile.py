@@ -119,6 +119,17 @@ def _updates_running_stats(node: torch.fx.Node) -> bool:
     return bool(training and training[0]) or node.kwargs.get("training", False) is True
 
 
+#: FX ops whose outputs a selective checkpoint keeps: every op they dispatch to is cached in the
+#: forward (see rewrite.apply.CheckpointedSegment). Attention is left out: its kernels mutate
+#: their intermediates in place, which a selective-checkpoint cache refuses.
+_SELECTIVE_SAVE_OPS = ("linear", "addmm", "mm.", "bmm", "matmul", "convolution", "conv1d", "conv2d", "conv3d")
+
+
+def _is_selective_save(node: torch.fx.Node) -> bool:
+    name = str(node.target)
+    return node.op == "call_function" and any(op in name for op in _SELECTIVE_SAVE_OPS)
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags:
@@ -379,6 +390,7 @@ def _cost_nodes(
                 module=_module_of(n),
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
+                selective_save=kind == "compute" and _is_selective_save(n),
             )
         )
     return tuple(nodes)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.errors import PlannerError
 from planner.plan import Plan
@@ -39,13 +40,46 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointedSegment:
-    """A callable holding one segment's GraphModule; kept out of the module tree on purpose."""
+    """A callable holding one segment's GraphModule; kept out of the module tree on purpose.
 
-    def __init__(self, graph_module: torch.fx.GraphModule) -> None:
+    With ``kept_nodes``, the segment runs under a selective checkpoint policy: every op that
+    runs inside one of those FX nodes is saved in the forward (``MUST_SAVE``) and replayed from
+    that cache in the recompute; all other ops are recomputed. The segment then runs through an
+    ``fx.Interpreter`` so the policy knows which FX node an op belongs to.
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule, kept_nodes: frozenset[str] = frozenset()) -> None:
         self.graph_module = graph_module
+        self.kept_nodes = kept_nodes
+        self.current_node: str | None = None
 
     def __call__(self, *args: Any) -> Any:
-        return self.graph_module(*args)
+        if not self.kept_nodes:
+            return self.graph_module(*args)
+        return _TrackingInterpreter(self).run(*args)
+
+    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.current_node in self.kept_nodes:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context(self) -> Any:
+        return create_selective_checkpoint_contexts(self.policy)
+
+
+class _TrackingInterpreter(torch.fx.Interpreter):
+    """Runs a segment, telling the segment's policy which FX node is running."""
+
+    def __init__(self, segment: CheckpointedSegment) -> None:
+        super().__init__(segment.graph_module)
+        self.segment = segment
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.segment.current_node = n.name
+        try:
+            return super().run_node(n)
+        finally:
+            self.segment.current_node = None
 
 
 class CheckpointedModule(torch.nn.Module):
@@ -82,6 +116,10 @@ def _checkpointed(segment: CheckpointedSegment, *args: Any) -> Any:
     call when autograd is off (inference pays no recompute)."""
     if not torch.is_grad_enabled():
         return segment(*args)
+    if segment.kept_nodes:
+        return torch.utils.checkpoint.checkpoint(
+            segment, *args, use_reentrant=False, preserve_rng_state=True, context_fn=segment.context
+        )
     return torch.utils.checkpoint.checkpoint(segment, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -97,14 +135,16 @@ def apply_plan(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
         if missing:
             raise PlannerError(f"segment {k} names nodes not in the graph: {missing[:3]}; re-plan on this graph")
         members = [by_name[name] for name in segment.node_names]
-        _replace_segment(gm, members, f"checkpoint_segment_{k}")
+        _replace_segment(gm, members, f"checkpoint_segment_{k}", frozenset(segment.kept_nodes))
     graph.lint()
     gm.recompile()
     log.info("checkpointed %d segments (%d nodes)", len(plan.segments), len(plan.recomputed_nodes))
     return gm
 
 
-def _replace_segment(gm: torch.fx.GraphModule, members: list[torch.fx.Node], attr: str) -> None:
+def _replace_segment(
+    gm: torch.fx.GraphModule, members: list[torch.fx.Node], attr: str, kept_nodes: frozenset[str]
+) -> None:
     graph = gm.graph
     inside = set(members)
     inputs: dict[torch.fx.Node, None] = {}
@@ -122,7 +162,7 @@ def _replace_segment(gm: torch.fx.GraphModule, members: list[torch.fx.Node], att
     for node in members:
         env[node] = sub.node_copy(node, lambda a: env[a])
     sub.output(tuple(env[n] for n in outputs))
-    segment = CheckpointedSegment(torch.fx.GraphModule(gm, sub, class_name=attr))
+    segment = CheckpointedSegment(torch.fx.GraphModule(gm, sub, class_name=attr), kept_nodes)
     setattr(gm, attr, segment)
 
     last = members[-1]

@@ -72,6 +72,7 @@ def random_dag(seed: int, n: int) -> CostGraph:
             saved_storages=tuple(dict.fromkeys(saved)), output_bytes=size, requires_grad=True,
             time_ms=rng.uniform(0.1, 3.0), flops=rng.randrange(0, 10**6),
             forward_peak_bytes=size + (MIB if rng.random() < 0.2 else 0),
+            selective_save=rng.random() < 0.3,
         ))
         values.append((name, key, size))
     return CostGraph(tuple(nodes), tuple(storages), output_names=(values[-1][0],))

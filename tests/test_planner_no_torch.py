@@ -94,7 +94,7 @@ def test_every_plan_is_within_budget_by_simulation(seed):
             assert err.value.min_feasible_bytes == floor
             continue
         plan = solve(g, budget)
-        replay = simulate(g, [s.node_names for s in plan.segments])
+        replay = simulate(g, plan.segments)
         assert replay.peak_bytes == plan.predicted_peak_bytes <= budget
         assert plan.recompute_ms == pytest.approx(
             sum(g.node(n).time_ms for n in plan.recomputed_nodes))
@@ -181,3 +181,62 @@ def test_unknown_solver_is_a_clear_error():
     g = chain([4, 4, 4, 4])
     with pytest.raises(SolverError, match="not available"):
         solve(g, int(simulate(g).peak_bytes * 0.9), solver="Gurobi")
+
+
+def test_selective_segment_keeps_matmul_outputs_and_recomputes_the_rest():
+    # x -> mm1 (kept, 4 MiB) -> relu (4 MiB) -> mm2 (kept, 4 MiB) -> relu2 (1 MiB)
+    storages = [Storage(0, MIB, True), Storage(1, 4 * MIB), Storage(2, 4 * MIB), Storage(3, 4 * MIB), Storage(4, MIB)]
+    nodes = (
+        CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        CostNode("mm1", "mm", input_names=("x",), output_storages=(1,), output_bytes=4 * MIB,
+                 requires_grad=True, time_ms=5.0, selective_save=True),
+        CostNode("relu", "relu", input_names=("mm1",), output_storages=(2,), saved_storages=(2,),
+                 output_bytes=4 * MIB, requires_grad=True, time_ms=1.0),
+        CostNode("mm2", "mm", input_names=("relu",), output_storages=(3,), saved_storages=(2,),
+                 output_bytes=4 * MIB, requires_grad=True, time_ms=5.0, selective_save=True),
+        CostNode("relu2", "relu", input_names=("mm2",), output_storages=(4,), saved_storages=(4,),
+                 output_bytes=MIB, requires_grad=True, time_ms=1.0),
+    )
+    g = CostGraph(nodes, tuple(storages), output_names=("relu2",))
+    from planner.plan import Segment
+
+    names = ("mm1", "relu", "mm2")
+    full = simulate(g, [Segment(names, 11.0, 0)])
+    selective = simulate(g, [Segment(names, 1.0, 0, kept_nodes=("mm1", "mm2"))])
+
+    def end_of_forward(result):
+        return [b for phase, _, b in result.timeline if phase == "forward"][-1]
+
+    # while relu2 runs, full recompute holds x, mm2's output (relu2's input) and relu2's output;
+    # selective also holds mm1's output (the policy's cache), but not relu's output
+    assert end_of_forward(full) == (1 + 4 + 1) * MIB
+    assert end_of_forward(selective) == (1 + 4 + 4 + 1) * MIB
+    # recompute, by hand. Full: x 1, relu2 1, mm2's gradient 4, then mm1 and relu again (8; mm1's
+    # copy is dropped after relu reads it) and mm2 again (4) = 14. Selective: x 1, both cached
+    # outputs 8, relu2 1, mm2's gradient 4 = 14, and only relu is recomputed (4) = 18; mm1 and
+    # mm2 are handed over, not allocated again.
+    assert max(b for phase, _, b in full.timeline if phase == "recompute") == 14 * MIB
+    assert [(n, b) for phase, n, b in selective.timeline if phase == "recompute"] == [
+        ("mm1", 14 * MIB), ("relu", 18 * MIB), ("mm2", 18 * MIB)]
+
+
+def test_selective_plans_are_chosen_when_cheaper_and_stay_within_budget():
+    """Per graph the two searches can land on different sides of the ILP's conservative memory
+    account, so cost is compared over all graphs together."""
+    found = 0
+    with_selective = without_selective = 0.0
+    for seed in range(12):
+        g = random_dag(seed, 14)
+        budget = max(int(simulate(g).peak_bytes * 0.8), minimum_peak_plan(g).predicted_peak_bytes)
+        plan = solve(g, budget)
+        assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
+        for seg in plan.segments:
+            assert set(seg.kept_nodes) <= set(seg.node_names)
+            assert all(g.node(n).selective_save for n in seg.kept_nodes)
+            expected = sum(g.node(n).time_ms for n in seg.node_names if n not in seg.kept_nodes)
+            assert seg.recompute_ms == pytest.approx(expected)
+        found += sum(seg.selective for seg in plan.segments)
+        with_selective += plan.recompute_ms
+        without_selective += solve(g, budget, selective=False).recompute_ms
+    assert found > 0, "no selective segment chosen on any random graph"
+    assert with_selective < without_selective
