@@ -304,7 +304,13 @@ def _solve_ilp(
     if budget_mib is None:
         peak = _variable(prob, "peak_mib", lowBound=0)
         bound: pulp.LpAffineExpression | float = peak
-        prob += peak + 1e-6 * cost / total_ms
+        # ties broken by recomputed FLOPs, not measured time, so that the minimum does not move
+        # with timing noise between two profiles of the same model
+        total_flops = float(sum(model.flops)) or 1.0
+        flop_cost = pulp.lpSum(y[(a, b)] * (sum(model.flops[a : b + 1]) / total_flops + 1e-3) for (a, b) in segs)
+        flop_cost += pulp.lpSum(z[(a, b)] * (sum(model.selective_flops[a : b + 1]) / total_flops + 1e-3)
+                                for (a, b) in z)
+        prob += peak + 1e-6 * flop_cost
     else:
         bound = budget_mib
         prob += cost

@@ -187,7 +187,7 @@ def test_selective_segment_keeps_matmuls_matches_prediction_and_gradients():
     # The replay of a selective recompute is conservative: on this small net it over-predicts
     # (the allocator sees less than the simulator holds while the segment is recomputed).
     assert measured <= predicted
-    assert measured < measure_step_peak_bytes(model, StepInputs.from_example(inputs))
+    assert measured >= 0.75 * predicted
     _, loss_a, grads_a = step(model, model, inputs, seed=9)
     _, loss_b, grads_b = step(opt, model, inputs, seed=9)
     assert torch.equal(loss_a, loss_b)
