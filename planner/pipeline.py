@@ -45,6 +45,7 @@ def plan_for_budget(
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
+    selective: bool = False,
 ) -> Plan:
     """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
 
@@ -67,7 +68,8 @@ def plan_for_budget(
         raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
     planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
     try:
-        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                     selective=selective)
     except InfeasibleBudgetError as exc:
         needed = math.ceil(exc.min_feasible_bytes / (1 - safety_margin)) + reserve_bytes
         raise InfeasibleBudgetError(budget_bytes, needed) from None
@@ -86,6 +88,7 @@ def optimize(
     time_limit_s: float = 60.0,
     timing_repeats: int = 3,
     safety_margin: float = 0.01,
+    selective: bool = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -104,6 +107,9 @@ def optimize(
         safety_margin: fraction of the budget kept free for what the memory model does not see
             (allocator rounding, small temporaries); the plan's predicted peak stays below
             ``budget * (1 - safety_margin)``.
+        selective: also consider segments that keep their matmul outputs (a selective
+            checkpoint policy) and recompute only the rest: fewer recomputed FLOPs, but a per-op
+            dispatch overhead that made CPU steps slower in our measurements.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -127,7 +133,7 @@ def optimize(
     gm = trace_module(model, example_inputs, method=trace_method)
     graph = profile_graph(gm, example_inputs, timing_repeats=timing_repeats)
     plan = plan_for_budget(graph, budget_gb, reserve_gb=reserve_gb, safety_margin=safety_margin,
-                           max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+                           max_stages=max_stages, solver=solver, time_limit_s=time_limit_s, selective=selective)
     log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
              plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
     optimized = CheckpointedModule(apply_plan(gm, plan), model, plan)

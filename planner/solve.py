@@ -432,7 +432,7 @@ def minimum_peak_plan(
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
-    selective: bool = True,
+    selective: bool = False,
 ) -> Plan:
     """The plan with the smallest peak the ILP finds, whatever it costs.
 
@@ -461,12 +461,13 @@ def solve(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     max_attempts: int = 8,
-    selective: bool = True,
+    selective: bool = False,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
 
     With ``selective``, a segment may also run under a selective policy that keeps its matmul
-    outputs and recomputes only the rest.
+    outputs and recomputes only the rest. It cuts recomputed FLOPs, but on CPU the policy's
+    per-op dispatch overhead made steps slower in our measurements, so it is off by default.
 
     Raises:
         InfeasibleBudgetError: no plan found fits; the error names the smallest peak reached.

@@ -60,3 +60,17 @@ def test_budget_is_met_and_training_is_unchanged(subject, fraction):
     extra_flops = measure_step_flops(opt, inputs) - base_flops
     assert 0 <= extra_flops <= plan.recompute_flops
     assert f"{plan.recompute_flops:.3e}" in plan.summary()
+
+
+def test_selective_plan_at_half_budget(subject):
+    """Segments that keep their matmul outputs: within budget, same gradients, fewer FLOPs."""
+    name, model, example, inputs, peak, base_flops, (ref_loss, ref_grads) = subject
+    opt = optimize(model, example, budget_gb=peak * 0.5 / 2**30, selective=True)
+    measured = measure_step_peak_bytes(opt, inputs)
+    assert measured <= opt.plan.budget_bytes
+    assert abs(opt.plan.predicted_peak_bytes - measured) <= 0.10 * measured
+    loss, grads = loss_and_grads(opt, model, inputs, seed=11)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    extra_flops = measure_step_flops(opt, inputs) - base_flops
+    assert 0 <= extra_flops <= opt.plan.recompute_flops

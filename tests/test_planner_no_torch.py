@@ -227,9 +227,10 @@ def test_selective_plans_are_chosen_when_cheaper_and_stay_within_budget():
     with_selective = without_selective = 0.0
     for seed in range(12):
         g = random_dag(seed, 14)
-        floor = max(minimum_peak_plan(g).predicted_peak_bytes, minimum_peak_plan(g, selective=False).predicted_peak_bytes)
+        floor = max(minimum_peak_plan(g, selective=True).predicted_peak_bytes,
+                    minimum_peak_plan(g).predicted_peak_bytes)
         budget = max(int(simulate(g).peak_bytes * 0.8), floor)
-        plan = solve(g, budget)
+        plan = solve(g, budget, selective=True)
         assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
         for seg in plan.segments:
             assert set(seg.kept_nodes) <= set(seg.node_names)
