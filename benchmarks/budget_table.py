@@ -71,6 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.35])
+    parser.add_argument("--selective", action="store_true",
+                        help="let the planner keep matmul outputs inside segments (optimize(selective=True))")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats")
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     args = parser.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
         for fraction in args.fractions:
             budget_gb = base_peak * fraction / 2**30
             t0 = time.perf_counter()
-            opt = optimize(model, example, budget_gb=budget_gb)
+            opt = optimize(model, example, budget_gb=budget_gb, selective=args.selective)
             optimize_s = time.perf_counter() - t0
             peak = measure_step_peak_bytes(opt, inputs)
             extra_flops = measure_step_flops(opt, inputs) - base_flops

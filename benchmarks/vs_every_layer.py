@@ -52,6 +52,8 @@ def step_times(modules: list[torch.nn.Module], owner: torch.nn.Module, inputs: S
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--selective", action="store_true",
+                        help="let the planner keep matmul outputs inside segments (optimize(selective=True))")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -67,10 +69,10 @@ def main() -> None:
         every_peak = measure_step_peak_bytes(every, inputs)
         every_flops = measure_step_flops(every, inputs) - base_flops
         try:
-            opt = optimize(model, example, budget_gb=every_peak / 2**30)
+            opt = optimize(model, example, budget_gb=every_peak / 2**30, selective=args.selective)
         except InfeasibleBudgetError as exc:
             print(f"# {name}: planner cannot reach every-layer's peak: {exc}", file=sys.stderr)
-            opt = optimize(model, example, budget_gb=exc.min_feasible_bytes / 2**30)
+            opt = optimize(model, example, budget_gb=exc.min_feasible_bytes / 2**30, selective=args.selective)
         opt_peak = measure_step_peak_bytes(opt, inputs)
         opt_flops = measure_step_flops(opt, inputs) - base_flops
         every.load_state_dict(model.state_dict())
