@@ -44,16 +44,12 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    """A module to plan for, its example inputs, and whether it is already a captured graph."""
+    """A module to plan for (a captured GraphModule for .pt2 files) and its example inputs."""
 
     module: torch.nn.Module
     inputs: StepInputs
     kind: str
     name: str
-
-    @property
-    def is_graph(self) -> bool:
-        return isinstance(self.module, torch.fx.GraphModule)
 
 
 def parse_input_spec(spec: str) -> tuple[tuple[int, ...], torch.dtype]:

@@ -167,11 +167,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 class _ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
-    def __init__(self, gm: torch.fx.GraphModule, table: _StorageTable, timing_repeats: int,
+    def __init__(self, gm: torch.fx.GraphModule, timing_repeats: int,
                  device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.to_fake = to_fake
-        self.table = table
         self.timing_repeats = timing_repeats
         self.time = _timer(device)
         self.records: dict[str, dict[str, Any]] = {}
@@ -265,7 +264,7 @@ def profile_graph(
     if to_fake:
         flat = [to_fake(v) if isinstance(v, torch.Tensor) else v for v in flat]
 
-    interp = _ProfilingInterpreter(gm, table, 1 if fake else timing_repeats, device, to_fake)
+    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
         flat_out = interp.run(*flat, enable_io_processing=False)
         out_spec = getattr(gm, "_out_spec", None)
