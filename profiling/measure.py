@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from planner.errors import PlannerError
 
@@ -30,6 +30,7 @@ __all__ = [
     "StepInputs",
     "loss_of",
     "run_step",
+    "unflatten_output",
     "measure_step_peak_bytes",
     "measure_step_flops",
     "preserved_state",
@@ -85,6 +86,16 @@ def loss_of(output: Any) -> torch.Tensor:
     for p in parts[1:]:
         total = total + p
     return total
+
+
+def unflatten_output(gm: torch.nn.Module, flat_out: Any) -> Any:
+    """The module-level output structure from what ``Interpreter.run(..., enable_io_processing=False)``
+    returned: exported graphs restore tuples, dicts and ``ModelOutput`` through ``_out_spec``."""
+    out_spec = getattr(gm, "_out_spec", None)
+    if out_spec is None:
+        return flat_out
+    leaves = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
+    return tree_unflatten(leaves, out_spec)
 
 
 def run_step(module: torch.nn.Module, inputs: StepInputs) -> Any:

@@ -27,12 +27,19 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import ProfileError
-from profiling.measure import StepInputs, loss_of, measure_step_peak_bytes, preserved_state, run_step
+from profiling.measure import (
+    StepInputs,
+    loss_of,
+    measure_step_peak_bytes,
+    preserved_state,
+    run_step,
+    unflatten_output,
+)
 from profiling.roofline import estimate_ms
 from profiling.temporaries import measure_node_peaks
 
@@ -267,15 +274,13 @@ def profile_graph(
     interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
         flat_out = interp.run(*flat, enable_io_processing=False)
-        out_spec = getattr(gm, "_out_spec", None)
-        leaves = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
-        output = tree_unflatten(leaves, out_spec) if out_spec is not None else flat_out
+        output = unflatten_output(gm, flat_out)
         loss = loss_of(output)
         loss.backward()
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
-        del loss, output, flat_out, leaves
+        del loss, output, flat_out
     if fake:
         forward_peaks: dict[str, int] = {}
         backward_peaks: dict[str, int] = {}

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_unflatten
 
-from profiling.measure import StepInputs, loss_of, preserved_state
+from profiling.measure import StepInputs, loss_of, preserved_state, unflatten_output
 
 __all__ = ["measure_node_peaks"]
 
@@ -61,11 +60,9 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[di
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)
-        leaves = list(flat_out) if isinstance(flat_out, (tuple, list)) else [flat_out]
-        out_spec = getattr(gm, "_out_spec", None)
-        output = tree_unflatten(leaves, out_spec) if out_spec is not None else flat_out
+        output = unflatten_output(gm, flat_out)
         loss_of(output).backward()
-        del output, leaves, flat_out
+        del output, flat_out
 
     events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
     allocations = sorted(
