@@ -22,14 +22,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
-__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS"]
+__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads"]
 
 #: ``compute`` nodes run an op; the others hold step-long tensors.
 NODE_KINDS = ("compute", "input", "param", "buffer", "constant")
@@ -194,3 +194,59 @@ class CostGraph:
             for n in self.nodes
         ]
         return pandas.DataFrame(rows)
+
+
+def _param_storage_keys(graph: CostGraph) -> set[int]:
+    return {k for n in graph.nodes if n.kind == "param" for k in n.output_storages}
+
+
+def shard_parameters(graph: CostGraph, world_size: int) -> CostGraph:
+    """The per-rank view of ``graph`` when parameters and their gradients are sharded over
+    ``world_size`` ranks (FSDP / ZeRO-3): each parameter storage and each parameter's gradient
+    counts ``ceil(bytes / world_size)``. Buffers, inputs and activations are unchanged.
+
+    Example:
+        >>> g = CostGraph((CostNode("w", "get_attr", kind="param", output_storages=(0,),
+        ...                         output_bytes=1000, requires_grad=True),),
+        ...               (Storage(0, 1000, True),))
+        >>> shard_parameters(g, 4).persistent_bytes
+        250
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if world_size == 1:
+        return graph
+    keys = _param_storage_keys(graph)
+    storages = tuple(
+        replace(s, size_bytes=-(-s.size_bytes // world_size)) if s.key in keys else s for s in graph.storages
+    )
+    nodes = tuple(
+        replace(n, output_bytes=-(-n.output_bytes // world_size)) if n.kind == "param" else n for n in graph.nodes
+    )
+    return replace(graph, nodes=nodes, storages=storages, measured_peak_bytes=None,
+                   metadata={**graph.metadata, "world_size": world_size})
+
+
+def hold_parameter_grads(graph: CostGraph) -> CostGraph:
+    """``graph`` for a step that starts with every parameter's ``.grad`` already allocated
+    (gradient accumulation, or ``zero_grad(set_to_none=False)``): the gradients become one
+    persistent storage held all step, and backward adds into them instead of allocating.
+
+    Example:
+        >>> g = CostGraph((CostNode("w", "get_attr", kind="param", output_storages=(0,),
+        ...                         output_bytes=1000, requires_grad=True),),
+        ...               (Storage(0, 1000, True),))
+        >>> hold_parameter_grads(g).persistent_bytes
+        2000
+    """
+    grads: dict[int, int] = {}
+    for n in graph.nodes:
+        if n.kind == "param" and n.requires_grad and n.output_storages:
+            grads[n.output_storages[0]] = max(grads.get(n.output_storages[0], 0), n.output_bytes)
+    if not grads:
+        return graph
+    key = max((s.key for s in graph.storages), default=-1) + 1
+    storages = (*graph.storages, Storage(key, sum(grads.values()), persistent=True))
+    nodes = tuple(replace(n, output_bytes=0) if n.kind == "param" and n.requires_grad else n for n in graph.nodes)
+    return replace(graph, nodes=nodes, storages=storages, measured_peak_bytes=None,
+                   metadata={**graph.metadata, "grads_held": True})

@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from planner.errors import InfeasibleBudgetError, PlannerError
-from planner.costgraph import CostGraph
+from planner.costgraph import CostGraph, hold_parameter_grads, shard_parameters
 from planner.plan import GIB, Plan
 from planner.solve import solve
 
@@ -46,12 +46,18 @@ def plan_for_budget(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     selective: bool = False,
+    world_size: int = 1,
+    grads_held: bool = False,
 ) -> Plan:
     """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
 
     The returned plan's ``budget_bytes`` is the user's budget; its predicted peak stays under
     ``(budget - reserve) * (1 - safety_margin)``. An infeasible budget raises
     :class:`InfeasibleBudgetError` naming the smallest ``budget_gb`` (in bytes) that works.
+
+    ``world_size`` > 1 plans the per-rank step with parameters and their gradients sharded over
+    that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
+    ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -67,6 +73,12 @@ def plan_for_budget(
     if not 0 <= safety_margin < 1:
         raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
     planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
+    try:
+        graph = shard_parameters(graph, world_size)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
+    if grads_held:
+        graph = hold_parameter_grads(graph)
     try:
         plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                      selective=selective)
@@ -89,6 +101,7 @@ def optimize(
     timing_repeats: int = 3,
     safety_margin: float = 0.01,
     selective: bool = False,
+    world_size: int = 1,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -110,10 +123,14 @@ def optimize(
         selective: also consider segments that keep their matmul outputs (a selective
             checkpoint policy) and recompute only the rest: fewer recomputed FLOPs, but a per-op
             dispatch overhead that made CPU steps slower in our measurements.
+        world_size: plan the per-rank peak with parameters and their gradients sharded over this
+            many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
-        parameters and ``state_dict()`` keys, with ``.plan`` (a :class:`planner.Plan`).
+        parameters and ``state_dict()`` keys, with ``.plan`` (a :class:`planner.Plan`). Inputs
+        of another shape, under another autocast state or with gradients already accumulated
+        are re-planned for the same budget on first use (one INFO log line each, then cached).
 
     Raises:
         InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
@@ -121,21 +138,61 @@ def optimize(
     """
     import torch
 
-    from profiling.profile import profile_graph
-    from profiling.trace import trace_module
-    from rewrite.apply import CheckpointedModule, apply_plan
+    from rewrite.apply import CheckpointedModule
 
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _budget_bytes(budget_gb)  # fail on a bad budget before the slow work
     if not model.training:
         log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
-    gm = trace_module(model, example_inputs, method=trace_method)
-    graph = profile_graph(gm, example_inputs, timing_repeats=timing_repeats)
-    plan = plan_for_budget(graph, budget_gb, reserve_gb=reserve_gb, safety_margin=safety_margin,
-                           max_stages=max_stages, solver=solver, time_limit_s=time_limit_s, selective=selective)
-    log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
-             plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
-    optimized = CheckpointedModule(apply_plan(gm, plan), model, plan)
-    optimized.cost_graph = graph
-    return optimized
+    replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
+                       safety_margin, selective, world_size)
+    gm, plan, graph = replan(model, example_inputs)
+    return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replanner:
+    """Trace, profile, plan and rewrite ``model`` for some inputs with fixed options: what
+    ``optimize`` runs once, and what the module it returns runs again for inputs it was not
+    planned for. ``graph`` (a profile of the same shapes) skips tracing's profile step.
+
+    Example:
+        >>> import torch
+        >>> replan = Replanner(budget_gb=1.0)
+        >>> gm, plan, graph = replan(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        >>> plan.segments
+        ()
+    """
+
+    budget_gb: float
+    reserve_gb: float = 0.0
+    trace_method: str = "export"
+    max_stages: int = 32
+    solver: str | None = None
+    time_limit_s: float = 60.0
+    timing_repeats: int = 3
+    safety_margin: float = 0.01
+    selective: bool = False
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise PlannerError(f"world_size must be a positive integer, got {self.world_size!r}")
+
+    def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
+                 grads_held: bool = False) -> tuple[Any, Plan, CostGraph]:
+        from profiling.profile import profile_graph
+        from profiling.trace import trace_module
+        from rewrite.apply import apply_plan
+
+        gm = trace_module(model, example_inputs, method=self.trace_method)
+        if graph is None:
+            graph = profile_graph(gm, example_inputs, timing_repeats=self.timing_repeats)
+        plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
+                               safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
+                               time_limit_s=self.time_limit_s, selective=self.selective,
+                               world_size=self.world_size, grads_held=grads_held)
+        log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
+                 plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
+        return apply_plan(gm, plan), plan, graph

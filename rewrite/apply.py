@@ -22,19 +22,33 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from planner.costgraph import CostGraph
 from planner.errors import PlannerError
 from planner.plan import Plan
+from profiling.measure import StepInputs
 
-__all__ = ["apply_plan", "CheckpointedSegment", "CheckpointedModule"]
+__all__ = [
+    "apply_plan",
+    "attach_to_user_modules",
+    "describe_inputs",
+    "input_signature",
+    "CheckpointedSegment",
+    "CheckpointedModule",
+    "PlannedVariant",
+]
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +96,179 @@ class _TrackingInterpreter(torch.fx.Interpreter):
             self.segment.current_node = None
 
 
+#: Builds the variant for inputs that were not planned: ``(model, inputs, cost_graph, grads_held)``
+#: → ``(graph_module, plan, cost_graph)``. ``cost_graph`` is None when the inputs must be
+#: profiled; otherwise it is the profile of the same shapes, re-solved for ``grads_held``.
+Replanner = Callable[[torch.nn.Module, StepInputs, "CostGraph | None", bool], "tuple[torch.fx.GraphModule, Plan, CostGraph]"]
+
+
+@dataclass
+class PlannedVariant:
+    """One planned shape signature: the rewritten graph, its plan and the profile it came from."""
+
+    graph_module: torch.fx.GraphModule
+    plan: Plan
+    cost_graph: CostGraph | None
+
+
+def input_signature(inputs: StepInputs) -> tuple[Any, ...]:
+    """What a captured graph is specialised to: the input structure, each tensor's shape, dtype
+    and device, and the value of every non-tensor input.
+
+    Example:
+        >>> import torch
+        >>> a = input_signature(StepInputs.from_example((torch.ones(8, 4),)))
+        >>> a == input_signature(StepInputs.from_example((torch.zeros(8, 4),)))
+        True
+        >>> a == input_signature(StepInputs.from_example((torch.ones(2, 4),)))
+        False
+    """
+    leaves, spec = tree_flatten((inputs.args, inputs.kwargs))
+    parts: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), str(leaf.dtype), leaf.device.type))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            parts.append(leaf)
+        else:
+            parts.append(type(leaf).__qualname__)
+    return (str(spec), tuple(parts))
+
+
+def describe_inputs(inputs: StepInputs) -> str:
+    """Shapes and dtypes of the tensor inputs, e.g. ``"arg0=8x64 float32"``.
+
+    Example:
+        >>> import torch
+        >>> describe_inputs(StepInputs.from_example({"input_ids": torch.ones(2, 16, dtype=torch.long)}))
+        'input_ids=2x16 int64'
+    """
+    parts = []
+    for path, leaf in tree_flatten_with_path((inputs.args, inputs.kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        first = path[1] if len(path) > 1 else None
+        if hasattr(first, "key"):  # a keyword argument
+            name = f"{first.key}{keystr(path[2:])}"
+        else:
+            name = f"arg{getattr(first, 'idx', 0)}{keystr(path[2:])}"
+        shape = "x".join(str(d) for d in leaf.shape) or "scalar"
+        parts.append(f"{name}={shape} {str(leaf.dtype).replace('torch.', '')}")
+    return ", ".join(parts) or "no tensors"
+
+
+def _autocast_state() -> tuple[tuple[str, str], ...]:
+    """The autocast devices and dtypes active now (part of what a plan was profiled under)."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return tuple((d, str(torch.get_autocast_dtype(d))) for d in devices if torch.is_autocast_enabled(d))
+
+
+def _format_bytes(size_bytes: int) -> str:
+    if size_bytes >= 2**30:
+        return f"{size_bytes / 2**30:.3f} GiB"
+    return f"{size_bytes / 2**20:.1f} MiB"
+
+
+def _distributed_world_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def _resolve(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def attach_to_user_modules(gm: torch.fx.GraphModule, original: torch.nn.Module) -> bool:
+    """Make ``gm`` read its parameters and buffers through ``original``'s own module objects.
+
+    After this, anything that swaps a parameter on the user's modules (FSDP's unshard and
+    reshard, ``load_state_dict(assign=True)``, ``to_empty``) is what the graph reads, and
+    ``state_dict()`` of a module sharing ``original``'s tree has exactly the user's keys.
+    Returns False (and leaves ``gm`` alone) when some ``get_attr`` of the graph does not name
+    the same object in ``original``.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = _resolve(gm, node.target)
+        if isinstance(value, torch.Tensor) and _resolve(original, node.target) is not value:
+            if node.target.split(".")[0] in gm._modules or node.target in gm._parameters or node.target in gm._buffers:
+                return False
+    own = {name: mod for name, mod in gm._modules.items() if name not in original._modules}
+    if any(isinstance(mod, torch.nn.Module) and next(mod.parameters(), None) is not None for mod in own.values()):
+        return False
+    if set(gm._parameters) - set(original._parameters) or set(gm._buffers) - set(original._buffers):
+        return False
+    gm._modules = {**original._modules, **own}
+    gm._parameters = original._parameters
+    gm._buffers = original._buffers
+    return True
+
+
 class CheckpointedModule(torch.nn.Module):
     """The module ``optimize`` returns: the rewritten graph in training, the user's own module
     in eval mode (the captured graph is specialised to training, dropout included).
 
-    It shares the graph module's children, parameters and buffers, so ``state_dict()`` keys and
-    parameter objects are those of the user's model. ``plan`` says what was decided.
+    Its module tree *is* the user's (the same child modules, parameter and buffer dicts), so
+    ``state_dict()`` keys, parameter objects, DDP and FSDP see the user's model; the graph reads
+    its parameters through those same modules. ``plan`` is the plan for the example inputs.
+
+    Inputs with another shape signature (batch size, sequence length, dtype), another autocast
+    state, or parameters whose ``.grad`` already exists (gradient accumulation) are planned
+    again for the same budget by ``replan`` (one INFO log line, then cached); without
+    ``replan`` they raise :class:`PlannerError`. Profiling new shapes runs a backward, so under
+    ``torch.distributed`` it is refused: plan each shape before wrapping (:meth:`plan_for`).
+
+    Example:
+        >>> import torch
+        >>> from planner import optimize
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        >>> opt = optimize(model, (torch.randn(8, 16),), budget_gb=1.0)
+        >>> list(opt.state_dict()) == list(model.state_dict())
+        True
+        >>> opt(torch.randn(4, 16)).shape   # another batch size: re-planned for the same budget
+        torch.Size([4, 16])
     """
 
-    def __init__(self, graph_module: torch.fx.GraphModule, original: torch.nn.Module, plan: Plan) -> None:
+    def __init__(
+        self,
+        graph_module: torch.fx.GraphModule,
+        original: torch.nn.Module,
+        plan: Plan,
+        *,
+        cost_graph: CostGraph | None = None,
+        example_inputs: Any = None,
+        replan: Replanner | None = None,
+    ) -> None:
         super().__init__()
-        object.__setattr__(self, "graph_module", graph_module)  # not a child: no new state_dict keys
         object.__setattr__(self, "original", original)
-        self._modules = graph_module._modules
-        self._parameters = graph_module._parameters
-        self._buffers = graph_module._buffers
+        object.__setattr__(self, "replan", replan)
+        if attach_to_user_modules(graph_module, original):
+            tree: torch.nn.Module = original
+        else:
+            log.debug("the captured graph names attributes the model does not have; keeping its own module tree")
+            tree = graph_module
+        self._modules = tree._modules
+        self._parameters = tree._parameters
+        self._buffers = tree._buffers
+        self._non_persistent_buffers_set = tree._non_persistent_buffers_set
+        object.__setattr__(self, "graph_module", graph_module)  # not a child: no new state_dict keys
+        object.__setattr__(self, "_variants", {})
+        object.__setattr__(self, "_profiles", {})
         self.plan = plan
+        self.cost_graph = cost_graph
+        self._planned_key: tuple[Any, ...] | None = None
+        if example_inputs is not None:
+            inputs = StepInputs.from_example(example_inputs)
+            self._planned_key = self._key(inputs, grads_held=False)
+            self._remember(self._planned_key, PlannedVariant(graph_module, plan, cost_graph), inputs)
         self.train(original.training)
 
     def train(self, mode: bool = True) -> "CheckpointedModule":
@@ -105,10 +276,113 @@ class CheckpointedModule(torch.nn.Module):
         self.original.train(mode)
         return self
 
+    def _key(self, inputs: StepInputs, grads_held: bool | None = None) -> tuple[Any, ...]:
+        if grads_held is None:
+            grads_held = any(p.grad is not None for p in self.parameters())
+        return (input_signature(inputs), _autocast_state(), grads_held)
+
+    def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
+        self._variants[key] = variant
+        if variant.cost_graph is not None:
+            self._profiles[key[:2]] = (variant.cost_graph, describe_inputs(inputs))
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """Every plan made so far, by a readable description of what it was made for."""
+        out = {}
+        for (signature, autocast, grads_held), variant in self._variants.items():
+            shapes = self._profiles.get((signature, autocast), (None, "example inputs"))[1]
+            notes = [f"autocast {d}:{t.replace('torch.', '')}" for d, t in autocast]
+            notes += ["grads held"] if grads_held else []
+            out[f"{shapes}{' (' + ', '.join(notes) + ')' if notes else ''}"] = variant.plan
+        return out
+
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
+        """The plan used for inputs like ``args``/``kwargs`` in the current autocast state and
+        with the parameters' current ``.grad``; plans them (profiling one step) if needed.
+
+        Call it before wrapping with DDP or FSDP for each batch shape you will train on.
+        """
+        return self._variant(StepInputs(args, kwargs)).plan
+
+    @torch.compiler.disable
+    def _variant(self, inputs: StepInputs) -> PlannedVariant:
+        _refuse_sharded_submodules(self)
+        key = self._key(inputs)
+        if self._planned_key is None:  # built without example inputs: the first call is the planned one
+            self._planned_key = key
+            self._variants[key] = PlannedVariant(self.graph_module, self.plan, self.cost_graph)
+        variant = self._variants.get(key)
+        if variant is not None:
+            return variant
+        signature, autocast, grads_held = key
+        profile = self._profiles.get((signature, autocast))
+        reason = self._why(key, inputs)
+        if self.replan is None:
+            raise PlannerError(f"this module was planned for other inputs ({reason}) and cannot re-plan; "
+                               f"call optimize() with these inputs")
+        if profile is None and _distributed_world_size() > 1:
+            raise PlannerError(
+                f"inputs not planned yet ({reason}) under torch.distributed: profiling them would run a "
+                f"backward through DDP/FSDP hooks on one rank. Plan every batch shape before wrapping the "
+                f"module (opt.plan_for(*batch) for each), or keep the batch shape fixed (drop_last=True)"
+            )
+        log.info("re-planning for the same budget (%s): %s", _format_bytes(self.plan.budget_bytes), reason)
+        with torch.random.fork_rng(devices=[]):
+            gm, plan, graph = self.replan(self.original, inputs, profile[0] if profile else None, grads_held)
+        if not attach_to_user_modules(gm, self.original):
+            log.debug("re-planned graph keeps its own module tree")
+        variant = PlannedVariant(gm, plan, graph)
+        self._remember(key, variant, inputs)
+        return variant
+
+    def _why(self, key: tuple[Any, ...], inputs: StepInputs) -> str:
+        """One phrase saying what differs from the inputs already planned."""
+        signature, autocast, grads_held = key
+        planned = self._planned_key
+        if planned is not None and signature != planned[0] and (signature, autocast) not in self._profiles:
+            before = self._profiles.get(planned[:2], (None, "the example inputs"))[1]
+            return f"inputs {describe_inputs(inputs)} (planned for {before})"
+        if planned is not None and autocast != planned[1]:
+            state = ", ".join(f"{d} {t.replace('torch.', '')}" for d, t in autocast) or "off"
+            return f"autocast {state} (planned with {', '.join(d for d, _ in planned[1]) or 'autocast off'})"
+        if grads_held:
+            return "parameter gradients already exist (gradient accumulation): they are held all step"
+        return f"inputs {describe_inputs(inputs)}"
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training:
-            return self.graph_module(*args, **kwargs)
-        return self.original(*args, **kwargs)
+        if not self.training:
+            return self.original(*args, **kwargs)
+        return self._variant(StepInputs(args, kwargs)).graph_module(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, copy.deepcopy(value, memo))
+        for variant in new._variants.values():
+            attach_to_user_modules(variant.graph_module, new.original)
+        if not new._variants:
+            attach_to_user_modules(new.graph_module, new.original)
+        return new
+
+
+def _refuse_sharded_submodules(module: torch.nn.Module) -> None:
+    """FSDP's hooks on a submodule never run: the rewritten graph does not call submodules."""
+    if _distributed_world_size() <= 1:
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed
+        return
+    inner = [name for name, m in module.named_modules() if m is not module and isinstance(m, FSDPModule)]
+    if inner:
+        raise PlannerError(
+            f"fully_shard was applied to submodules of the optimized module ({', '.join(inner[:3])}): their "
+            f"FSDP hooks never run because the rewritten graph does not call submodules. Apply fully_shard "
+            f"to the optimized module itself (the root) only"
+        )
 
 
 def _checkpointed(segment: CheckpointedSegment, *args: Any) -> Any:
