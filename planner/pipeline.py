@@ -102,6 +102,8 @@ def optimize(
     safety_margin: float = 0.01,
     selective: bool = False,
     world_size: int = 1,
+    cache_dir: str | None = None,
+    progress: bool = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -125,6 +127,10 @@ def optimize(
             dispatch overhead that made CPU steps slower in our measurements.
         world_size: plan the per-rank peak with parameters and their gradients sharded over this
             many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
+        cache_dir: a folder for profiles (JSON, keyed by a fingerprint of the graph, input shapes,
+            torch version and target): another budget for the same model skips profiling.
+        progress: draw a tqdm bar while profiling (when tqdm is installed); progress of
+            profiling and solving is logged at INFO either way.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -146,7 +152,7 @@ def optimize(
     if not model.training:
         log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
     replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
-                       safety_margin, selective, world_size)
+                       safety_margin, selective, world_size, cache_dir, progress)
     gm, plan, graph = replan(model, example_inputs)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
@@ -175,6 +181,8 @@ class Replanner:
     safety_margin: float = 0.01
     selective: bool = False
     world_size: int = 1
+    cache_dir: str | None = None
+    progress: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -182,17 +190,20 @@ class Replanner:
 
     def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
                  grads_held: bool = False) -> tuple[Any, Plan, CostGraph]:
-        from profiling.profile import profile_graph
+        from profiling.cache import cached_profile_graph
+        from profiling.progress import heartbeat
         from profiling.trace import trace_module
         from rewrite.apply import apply_plan
 
         gm = trace_module(model, example_inputs, method=self.trace_method)
         if graph is None:
-            graph = profile_graph(gm, example_inputs, timing_repeats=self.timing_repeats)
-        plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
-                               safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
-                               time_limit_s=self.time_limit_s, selective=self.selective,
-                               world_size=self.world_size, grads_held=grads_held)
+            graph = cached_profile_graph(gm, example_inputs, self.cache_dir, timing_repeats=self.timing_repeats,
+                                         progress=self.progress)
+        with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
+            plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
+                                   safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
+                                   time_limit_s=self.time_limit_s, selective=self.selective,
+                                   world_size=self.world_size, grads_held=grads_held)
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph

@@ -41,7 +41,10 @@ from profiling.measure import (
     unflatten_output,
 )
 from profiling.roofline import estimate_ms
+from profiling.progress import NodeProgress
+from profiling.progress import log as progress_log
 from profiling.temporaries import measure_node_peaks
+from profiling.trace import RUN_ONCE_OPS
 
 __all__ = ["profile_graph", "flat_graph_inputs"]
 
@@ -99,6 +102,8 @@ def _is_mutating(node: torch.fx.Node) -> bool:
     schema = getattr(target, "_schema", None)
     if schema is not None:
         return bool(schema.is_mutable)
+    if node.op == "call_function" and node.is_impure():
+        return True  # e.g. profiling.trace.update_running_stats
     if node.op == "call_module":
         return str(node.target).startswith("_guards")
     return False
@@ -122,6 +127,8 @@ def _updates_running_stats(node: torch.fx.Node) -> bool:
         return False
     if not any(op in name for op in _RUNNING_STATS_OPS):
         return False
+    if len(node.args) > 4 and node.args[3] is None and node.args[4] is None:
+        return False  # no running statistics: a pure op (see profiling.trace.split_batch_norm_updates)
     training = [a for a in node.args if isinstance(a, bool)]
     return bool(training and training[0]) or node.kwargs.get("training", False) is True
 
@@ -175,8 +182,10 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
     def __init__(self, gm: torch.fx.GraphModule, timing_repeats: int,
-                 device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 progress: NodeProgress | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.progress = progress
         self.to_fake = to_fake
         self.timing_repeats = timing_repeats
         self.time = _timer(device)
@@ -229,12 +238,15 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                 for _ in range(self.timing_repeats - 1):
                     times.append(self.time(lambda: fn(*call_args, **kwargs)))
         self.records[n.name] = {
+            "run_once": n.op == "call_function" and n.target in RUN_ONCE_OPS,
             "result": result,
             "saved": saved,
             "flops": flops,
             "time_ms": statistics.median(times),
             "mutating": mutating,
         }
+        if self.progress is not None:
+            self.progress.step()
         return result
 
 
@@ -247,6 +259,7 @@ def profile_graph(
     step_repeats: int = 3,
     fake: bool = False,
     target: str = "cpu",
+    progress: bool = False,
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
@@ -257,7 +270,11 @@ def profile_graph(
     With ``fake=True`` nothing is allocated or run for real: the graph runs on fake tensors
     (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine,
     without op-internal temporaries), times from a FLOP and bytes roofline for ``target``
-    (see :mod:`profiling.roofline`), and nothing is measured.
+    (see :mod:`profiling.roofline`), and nothing is measured. Tensors on the meta device (a
+    model built under ``torch.device("meta")``) work in fake mode: nothing is ever allocated.
+
+    Progress goes to the ``profiling.progress`` logger at INFO (every tenth of the nodes and
+    each phase); ``progress=True`` draws a tqdm bar instead when tqdm is installed.
     """
     inputs = StepInputs.from_example(example_inputs)
     flat = flat_graph_inputs(gm, inputs)
@@ -271,9 +288,14 @@ def profile_graph(
     if to_fake:
         flat = [to_fake(v) if isinstance(v, torch.Tensor) else v for v in flat]
 
-    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake)
+    node_count = len(gm.graph.nodes)
+    bar = NodeProgress(node_count, f"profiling {node_count} nodes{' (fake)' if fake else ''}", bar=progress)
+    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake, bar)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
-        flat_out = interp.run(*flat, enable_io_processing=False)
+        try:
+            flat_out = interp.run(*flat, enable_io_processing=False)
+        finally:
+            bar.close()
         output = unflatten_output(gm, flat_out)
         loss = loss_of(output)
         loss.backward()
@@ -289,7 +311,9 @@ def profile_graph(
     else:
         with preserved_state(gm):
             timer = _timer(device)
+            progress_log.info("profiling: timing %d steps", step_repeats)
             step_times = [timer(lambda: run_step(gm, inputs)) for _ in range(step_repeats)]
+            progress_log.info("profiling: measuring per-node temporaries")
             forward_peaks, backward_peaks = measure_node_peaks(gm, inputs)
     nodes = _cost_nodes(gm, interp, table, forward_peaks, backward_peaks)
     graph = CostGraph(
@@ -389,7 +413,8 @@ def _cost_nodes(
                 is_alias=is_alias,
                 time_ms=rec["time_ms"] if kind == "compute" else 0.0,
                 flops=rec["flops"] if kind == "compute" else 0,
-                recomputable=kind == "compute" and not rec["mutating"],
+                # run-once buffer updates skip themselves on recompute (profiling.trace)
+                recomputable=kind == "compute" and (not rec["mutating"] or rec["run_once"]),
                 is_random=kind == "compute" and _is_random(n),
                 module=_module_of(n),
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,

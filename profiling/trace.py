@@ -5,6 +5,16 @@ models that ``torch.fx.symbolic_trace`` cannot, and keeps the output structure (
 ``ModelOutput``). ``symbolic_trace`` records module calls instead and needs Python control
 flow that does not depend on tensor values.
 
+After capture, each training-mode ``batch_norm`` that updates running statistics is split in
+two nodes: ``update_running_stats`` (the running-statistics update, the same kernel as
+``batch_norm``'s) and a pure ``batch_norm`` without running statistics (same output and
+gradients, bit for bit); ``num_batches_tracked += 1`` becomes ``increment_buffer``. The two
+update ops skip themselves when a checkpoint recomputes them inside backward, so a whole
+conv-BatchNorm-ReLU block can be recomputed while its buffers change exactly once per step.
+
+When capture fails, :class:`planner.errors.TraceError` names the submodule (its qualified name
+and class), the source line, and what to change.
+
 Example:
     >>> import torch
     >>> gm = trace_module(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()),
@@ -15,8 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import linecache
 import logging
 import traceback
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -25,33 +37,202 @@ import torch.fx
 from planner.errors import TraceError
 from profiling.measure import StepInputs
 
-__all__ = ["trace_module", "TRACE_METHODS"]
+__all__ = ["trace_module", "split_batch_norm_updates", "update_running_stats", "increment_buffer", "RUN_ONCE_OPS",
+           "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
 
 TRACE_METHODS = ("export", "symbolic_trace")
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch, as 'file:line in function'."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/profiling/trace.py" not in path:
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "unknown location"
+def _in_backward() -> bool:
+    """True while autograd's engine runs, e.g. when a checkpoint recomputes its segment."""
+    return torch._C._current_graph_task_id() != -1
 
 
-def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "export") -> torch.fx.GraphModule:
+@torch.fx.node.has_side_effect
+def update_running_stats(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                         momentum: float) -> None:
+    """Update BatchNorm running statistics from ``x`` in place, as training ``batch_norm`` does.
+
+    Uses ``aten.batch_norm_update_stats``, the kernel ``batch_norm`` itself runs on CPU, so the
+    buffers end bit for bit as after the original op. Nothing is returned or differentiated.
+    Inside a backward pass (a checkpointed segment being recomputed) it does nothing, so the
+    update happens once per step even when its segment is recomputed.
+
+    Example:
+        >>> rm, rv = torch.zeros(2), torch.ones(2)
+        >>> update_running_stats(torch.ones(4, 2), rm, rv, 0.5)
+        >>> rm.tolist()
+        [0.5, 0.5]
+    """
+    if _in_backward():
+        return
+    with torch.no_grad():
+        torch.ops.aten.batch_norm_update_stats.default(x.detach(), running_mean, running_var, momentum)
+
+
+@torch.fx.node.has_side_effect
+def increment_buffer(buffer: torch.Tensor, amount: Any) -> None:
+    """``buffer += amount`` in place (BatchNorm's ``num_batches_tracked``), skipped when re-run by a
+    checkpoint's recompute inside backward.
+
+    Example:
+        >>> count = torch.zeros((), dtype=torch.long)
+        >>> increment_buffer(count, 1)
+        >>> int(count)
+        1
+    """
+    if _in_backward():
+        return
+    with torch.no_grad():
+        buffer.add_(amount)
+
+
+#: Ops that change buffers once per step and skip themselves when a checkpoint recomputes them:
+#: safe inside a recomputed segment.
+RUN_ONCE_OPS = (update_running_stats, increment_buffer)
+
+
+def split_batch_norm_updates(gm: torch.fx.GraphModule) -> int:
+    """Make training BatchNorm recomputable without updating its buffers twice.
+
+    Each training ``aten.batch_norm`` with running statistics becomes an
+    :func:`update_running_stats` node plus a pure ``batch_norm`` without running statistics
+    (same output and gradients, bit for bit), and each unused in-place ``add_`` on a buffer
+    (``num_batches_tracked += 1``) becomes :func:`increment_buffer`. Both skip themselves when
+    a checkpoint recomputes them, so they may sit inside a recomputed segment.
+
+    Returns how many ``batch_norm`` nodes were split; ``gm`` is changed in place and recompiled.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(4).train()
+        >>> gm = torch.export.export(bn, (torch.randn(8, 4),), strict=False).module()
+        >>> split_batch_norm_updates(gm)
+        1
+    """
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    count = 0
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if (node.target is torch.ops.aten.add_.Tensor and not node.users and len(node.args) == 2
+                and not node.kwargs and isinstance(node.args[0], torch.fx.Node)
+                and node.args[0].op == "get_attr" and node.args[0].target in buffers
+                and isinstance(node.args[1], (int, float))):
+            node.target = increment_buffer
+            changed = True
+            continue
+        if node.target is not torch.ops.aten.batch_norm.default or node.kwargs or len(node.args) < 9:
+            continue
+        args = list(node.args)
+        x, _, _, running_mean, running_var, training, momentum = args[:7]
+        if not (training is True and isinstance(running_mean, torch.fx.Node)
+                and isinstance(running_var, torch.fx.Node) and isinstance(momentum, float)):
+            continue
+        with gm.graph.inserting_before(node):
+            update = gm.graph.call_function(update_running_stats, (x, running_mean, running_var, momentum))
+        update.name = gm.graph._graph_namespace.create_name(f"{node.name}_update_stats", None)
+        update.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
+        args[3] = args[4] = None
+        node.args = tuple(args)
+        count += 1
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _frames(exc: BaseException) -> list[tuple[str, int, str, Any]]:
+    """(file, line, function, ``self`` or None) for every traceback frame, outermost first,
+    following ``__cause__``/``__context__`` into the exception that started it."""
+    out: list[tuple[str, int, str, Any]] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    chain: list[BaseException] = []
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for e in reversed(chain):
+        tb: TracebackType | None = e.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            out.append((frame.f_code.co_filename, tb.tb_lineno, frame.f_code.co_name, frame.f_locals.get("self")))
+            tb = tb.tb_next
+    return out
+
+
+def _is_library(path: str) -> bool:
+    path = path.replace("\\", "/")
+    return path.startswith("<") or "/torch/" in path or "/profiling/trace.py" in path
+
+
+def _location(exc: BaseException, model: torch.nn.Module) -> tuple[str, str]:
+    """The failing submodule (qualified name and class) and source line ('file:line in fn: code')."""
+    names = {id(m): name for name, m in model.named_modules()}
+    module = f"{type(model).__name__} (the top-level module)"
+    source = "unknown location"
+    frames = _frames(exc)
+    for path, line, func, owner in reversed(frames):
+        if _is_library(path):
+            continue
+        code = linecache.getline(path, line).strip()
+        source = f"{path}:{line} in {func}" + (f" (`{code}`)" if code else "")
+        break
+    for path, line, func, owner in reversed(frames):
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            name = names[id(owner)]
+            module = f"{name or '<root>'} ({type(owner).__name__})"
+            break
+    return module, source
+
+
+def _hint(exc: BaseException, method: str) -> str:
+    """What to change, from the kind of failure."""
+    text = " ".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    kind = type(exc).__name__
+    if "Cache" in text and ("output" in text or "pytree" in text) or "past_key_values" in text:
+        return ("the model returns a key/value cache: build it with use_cache=False "
+                "(config.use_cache=False, or pass use_cache=False in the inputs)")
+    if "data-dependent" in text or "DataDependent" in kind or "GuardOnDataDependent" in kind:
+        return ("Python control flow or a shape depends on tensor values at that line (if on a tensor, "
+                ".item(), .tolist(), nonzero or boolean masks): make it static for the example shapes, "
+                "e.g. branch on shapes or config values instead of tensor contents, use torch.where, or "
+                "compute the value outside forward and pass it in")
+    if "not a known type" in text or "register a pytree" in text:
+        return ("an input or output has a type torch.export cannot flatten: return tensors, tuples, dicts "
+                "or dataclasses, or register the type with torch.utils._pytree.register_pytree_node")
+    if "Dynamic" in text and "shape" in text or "Constraint" in kind:
+        return "use static shapes: call optimize with the exact batch and sequence shapes you train with"
+    if method == "export":
+        return ("try use_cache=False for HuggingFace models, static shapes, no data-dependent Python "
+                "control flow, or trace_method='symbolic_trace'")
+    return "try method='export', which handles data-dependent shapes and HuggingFace models"
+
+
+def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "export", *,
+                 recomputable_batch_norm: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` called on ``example_inputs`` as a GraphModule.
 
     Args:
         model: the module, in the mode it will train in.
         example_inputs: a tuple of positional arguments or a dict of keyword arguments.
         method: ``"export"`` (``torch.export``, non-strict) or ``"symbolic_trace"``.
+        recomputable_batch_norm: split training ``batch_norm`` into a running-statistics update
+            (run once) and a pure, recomputable normalisation (see
+            :func:`split_batch_norm_updates`).
 
     Raises:
-        TraceError: capture failed; the message names the module, the source line and a hint.
+        TraceError: capture failed; the message names the submodule, the source line and a hint.
+
+    Example:
+        >>> bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+        >>> gm = trace_module(bn, (torch.randn(8, 4),))
+        >>> sum(n.name.endswith("update_stats") for n in gm.graph.nodes)
+        1
     """
     if method not in TRACE_METHODS:
         raise TraceError(f"unknown trace method {method!r}; use one of {TRACE_METHODS}")
@@ -70,18 +251,16 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     except TraceError:
         raise
     except Exception as exc:  # capture failures come as many exception types
-        hint = (
-            "try use_cache=False for HuggingFace models, static shapes, and no data-dependent Python "
-            "control flow"
-            if method == "export"
-            else "try method='export', which handles data-dependent shapes and HuggingFace models"
-        )
+        module, source = _location(exc, model)
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise TraceError(
-            f"could not capture {name} with {method} at {_user_frame(exc)}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({hint})"
+            f"could not capture {name} with {method}: in submodule {module}, at {source}: "
+            f"{type(exc).__name__}: {first_line} -- what to do: {_hint(exc, method)}"
         ) from exc
     _share_parameters(model, gm)
-    log.info("captured %s with %s: %d nodes", name, method, len(gm.graph.nodes))
+    split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
+    log.info("captured %s with %s: %d nodes%s", name, method, len(gm.graph.nodes),
+             f" ({split} batch_norm running-stat updates split out)" if split else "")
     return gm
 
 

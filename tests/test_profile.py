@@ -68,10 +68,15 @@ def test_random_and_mutating_ops_are_flagged():
 
     x = torch.randn(8, 4)
     net = Net().train()
-    graph = profile_graph(trace_module(net, (x,)), (x,))
+    graph = profile_graph(trace_module(net, (x,), recomputable_batch_norm=False), (x,))
     assert any(n.is_random for n in graph.compute_nodes if "dropout" in n.op)
     bn = [n for n in graph.compute_nodes if "batch_norm" in n.op]
     assert bn and not any(n.recomputable for n in bn)
+    assert int(net.bn.num_batches_tracked) == 0, "profiling must not change buffers"
+    # by default the running-stat update is split out and skips itself on recompute
+    split = profile_graph(trace_module(net, (x,)), (x,))
+    assert [n.name for n in split.compute_nodes if "update_stats" in n.name] == ["batch_norm_update_stats"]
+    assert all(n.recomputable for n in split.compute_nodes if "batch_norm" in n.op or "update_stats" in n.name)
     assert int(net.bn.num_batches_tracked) == 0, "profiling must not change buffers"
 
 

@@ -1,0 +1,196 @@
+"""Profile cache: a profiled :class:`CostGraph` stored as JSON, keyed by a fingerprint.
+
+Planning another budget for the same model needs the same profile, not a new one. The
+fingerprint is a SHA-256 of what decides the profile: the captured graph's code, the shapes,
+dtypes, devices and ``requires_grad`` of its parameters, buffers and example inputs, the torch
+version, the profiling mode (measured or fake) and the target device of the roofline, and the
+fields of the profile's record types (so a new field never reads an old file). The file
+``<cache_dir>/<fingerprint>.json`` holds every node and storage exactly (plain JSON: integers
+stay integers, floats round-trip).
+
+Example:
+    >>> import tempfile, torch
+    >>> from profiling.trace import trace_module
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    >>> gm = trace_module(model, (x,))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     first = cached_profile_graph(gm, (x,), d, timing_repeats=1)
+    ...     again = cached_profile_graph(gm, (x,), d, timing_repeats=1)   # read from the file
+    >>> again.nodes == first.nodes and again.metadata["cache"] == "hit"
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from planner.costgraph import CostGraph, CostNode, Storage
+from planner.errors import ProfileError
+from profiling.measure import StepInputs
+
+__all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cached_profile_graph"]
+
+log = logging.getLogger(__name__)
+
+#: Bumped when the meaning of a profile changes without a change of its fields.
+CACHE_VERSION = 1
+
+
+def _schema() -> str:
+    return ";".join(
+        f"{cls.__name__}:{','.join(f.name for f in dataclasses.fields(cls))}" for cls in (CostNode, Storage, CostGraph)
+    )
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"T{tuple(t.shape)}:{t.dtype}:{t.device.type}:{int(t.requires_grad)}:{tuple(t.stride())}"
+    return repr(t) if isinstance(t, (int, float, bool, str, type(None))) else type(t).__name__
+
+
+def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = False, target: str = "cpu") -> str:
+    """SHA-256 hex digest naming the profile of ``gm`` on ``example_inputs`` (see module docs).
+
+    Example:
+        >>> import torch
+        >>> from profiling.trace import trace_module
+        >>> m, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+        >>> fingerprint(trace_module(m, (x,)), (x,)) == fingerprint(trace_module(m, (x,)), (x,))
+        True
+        >>> fingerprint(trace_module(m, (x,)), (x,)) == fingerprint(trace_module(m, (x,)), (x,), fake=True)
+        False
+    """
+    from torch.utils._pytree import tree_leaves
+
+    inputs = StepInputs.from_example(example_inputs)
+    h = hashlib.sha256()
+    parts = [
+        f"version={CACHE_VERSION}",
+        f"schema={_schema()}",
+        f"torch={torch.__version__}",
+        f"mode={'fake' if fake else 'measured'}",
+        f"target={target.lower()}",
+        gm.code,
+    ]
+    parts += [f"param {n} {_describe(p)}" for n, p in gm.named_parameters(remove_duplicate=False)]
+    parts += [f"buffer {n} {_describe(b)}" for n, b in gm.named_buffers(remove_duplicate=False)]
+    parts += [f"arg {_describe(a)}" for a in tree_leaves(inputs.args)]
+    parts += [f"kwarg {k} {_describe(a)}" for k in sorted(inputs.kwargs) for a in tree_leaves(inputs.kwargs[k])]
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    return value
+
+
+def _record(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known})
+
+
+def save_profile(graph: CostGraph, path: str | os.PathLike[str], key: str = "") -> None:
+    """Write ``graph`` as JSON to ``path`` (atomically: a reader never sees half a file).
+
+    Example:
+        >>> import tempfile, os
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),), (Storage(0, 8, True),))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     save_profile(g, os.path.join(d, "p.json"))
+        ...     load_profile(os.path.join(d, "p.json")).nodes == g.nodes
+        True
+    """
+    payload = {
+        "cache_version": CACHE_VERSION,
+        "fingerprint": key,
+        "nodes": [_to_json(dataclasses.asdict(n)) for n in graph.nodes],
+        "storages": [_to_json(dataclasses.asdict(s)) for s in graph.storages],
+        "graph": {
+            f.name: _to_json(getattr(graph, f.name))
+            for f in dataclasses.fields(graph)
+            if f.name not in ("nodes", "storages")
+        },
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_profile(path: str | os.PathLike[str]) -> CostGraph:
+    """Read a profile written by :func:`save_profile`.
+
+    Raises:
+        ProfileError: the file is missing, not JSON, or not a profile of this version.
+    """
+    try:
+        payload = json.loads(Path(path).read_text())
+        if payload.get("cache_version") != CACHE_VERSION:
+            raise ProfileError(f"{path}: profile cache version {payload.get('cache_version')}, expected {CACHE_VERSION}")
+        nodes = tuple(_record(CostNode, n) for n in payload["nodes"])
+        storages = tuple(_record(Storage, s) for s in payload["storages"])
+        known = {f.name for f in dataclasses.fields(CostGraph)} - {"nodes", "storages", "metadata"}
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in payload["graph"].items() if k in known}
+        return CostGraph(nodes=nodes, storages=storages, metadata=dict(payload["graph"].get("metadata") or {}),
+                         **fields)
+    except ProfileError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"could not read the profile cache {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def cached_profile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Any,
+    cache_dir: str | os.PathLike[str] | None,
+    **profile_kwargs: Any,
+) -> CostGraph:
+    """:func:`profiling.profile.profile_graph` through a cache in ``cache_dir`` (None: no cache).
+
+    A hit returns the stored profile without running anything (its ``metadata["cache"]`` is
+    ``"hit"``); a miss profiles and stores it. An unreadable file is logged and profiled again.
+    ``profile_kwargs`` go to ``profile_graph``; ``fake`` and ``target`` are part of the key.
+    """
+    from profiling.profile import profile_graph
+
+    if cache_dir is None:
+        return profile_graph(gm, example_inputs, **profile_kwargs)
+    key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
+                      target=str(profile_kwargs.get("target", "cpu")))
+    path = Path(cache_dir) / f"{key}.json"
+    if path.exists():
+        try:
+            graph = load_profile(path)
+        except ProfileError as exc:
+            log.warning("%s; profiling again", exc)
+        else:
+            log.info("profile cache hit: %s (%d nodes)", path, len(graph.nodes))
+            graph.metadata.update(cache="hit", fingerprint=key)
+            return graph
+    graph = profile_graph(gm, example_inputs, **profile_kwargs)
+    save_profile(graph, path, key)
+    log.info("profile cached at %s", path)
+    graph.metadata.update(cache="miss", fingerprint=key)
+    return graph
