@@ -39,6 +39,7 @@ from planner.costgraph import CostGraph
 from planner.errors import PlannerError
 from planner.plan import Plan
 from profiling.measure import StepInputs
+from profiling.trace import RUN_ONCE_OPS
 
 __all__ = [
     "apply_plan",
@@ -214,14 +215,15 @@ def attach_to_user_modules(gm: torch.fx.GraphModule, original: torch.nn.Module) 
 
 class CheckpointedModule(torch.nn.Module):
     """The module ``optimize`` returns: the rewritten graph in training, the user's own module
-    in eval mode (the captured graph is specialised to training, dropout included).
+    in eval mode (``opt.eval()`` or ``model.eval()``: the graph is specialised to training).
 
     Its module tree *is* the user's (the same child modules, parameter and buffer dicts), so
     ``state_dict()`` keys, parameter objects, DDP and FSDP see the user's model; the graph reads
     its parameters through those same modules. ``plan`` is the plan for the example inputs.
 
     Inputs with another shape signature (batch size, sequence length, dtype), another autocast
-    state, or parameters whose ``.grad`` already exists (gradient accumulation) are planned
+    state, submodules switched to eval mode (frozen BatchNorm), or parameters whose ``.grad``
+    already exists (gradient accumulation) are planned
     again for the same budget by ``replan`` (one INFO log line, then cached); without
     ``replan`` they raise :class:`PlannerError`. Profiling new shapes runs a backward, so under
     ``torch.distributed`` it is refused: plan each shape before wrapping (:meth:`plan_for`).
@@ -277,22 +279,26 @@ class CheckpointedModule(torch.nn.Module):
         return self
 
     def _key(self, inputs: StepInputs, grads_held: bool | None = None) -> tuple[Any, ...]:
+        """What a plan depends on: input signature, autocast state, the submodules in eval mode
+        (traced as such) and whether parameter gradients already exist."""
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.parameters())
-        return (input_signature(inputs), _autocast_state(), grads_held)
+        in_eval = tuple(name for name, m in self.original.named_modules() if not m.training)
+        return (input_signature(inputs), _autocast_state(), in_eval, grads_held)
 
     def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
         self._variants[key] = variant
         if variant.cost_graph is not None:
-            self._profiles[key[:2]] = (variant.cost_graph, describe_inputs(inputs))
+            self._profiles[key[:3]] = (variant.cost_graph, describe_inputs(inputs))
 
     @property
     def plans(self) -> dict[str, Plan]:
         """Every plan made so far, by a readable description of what it was made for."""
         out = {}
-        for (signature, autocast, grads_held), variant in self._variants.items():
-            shapes = self._profiles.get((signature, autocast), (None, "example inputs"))[1]
+        for (signature, autocast, in_eval, grads_held), variant in self._variants.items():
+            shapes = self._profiles.get((signature, autocast, in_eval), (None, "example inputs"))[1]
             notes = [f"autocast {d}:{t.replace('torch.', '')}" for d, t in autocast]
+            notes += [f"{len(in_eval)} modules in eval mode"] if in_eval else []
             notes += ["grads held"] if grads_held else []
             out[f"{shapes}{' (' + ', '.join(notes) + ')' if notes else ''}"] = variant.plan
         return out
@@ -315,10 +321,16 @@ class CheckpointedModule(torch.nn.Module):
         variant = self._variants.get(key)
         if variant is not None:
             return variant
-        signature, autocast, grads_held = key
-        profile = self._profiles.get((signature, autocast))
+        grads_held = key[3]
+        profile = self._profiles.get(key[:3])
         reason = self._why(key, inputs)
         if self.replan is None:
+            planned = self._planned_key
+            if planned is not None and key[0] == planned[0] and key[2] == planned[2]:
+                # same graph; only autocast or held gradients differ: it runs, but the peak was
+                # planned for another memory picture
+                log.debug("no re-planning without replan: %s", reason)
+                return self._variants[planned]
             raise PlannerError(f"this module was planned for other inputs ({reason}) and cannot re-plan; "
                                f"call optimize() with these inputs")
         if profile is None and _distributed_world_size() > 1:
@@ -338,20 +350,23 @@ class CheckpointedModule(torch.nn.Module):
 
     def _why(self, key: tuple[Any, ...], inputs: StepInputs) -> str:
         """One phrase saying what differs from the inputs already planned."""
-        signature, autocast, grads_held = key
+        signature, autocast, in_eval, grads_held = key
         planned = self._planned_key
-        if planned is not None and signature != planned[0] and (signature, autocast) not in self._profiles:
-            before = self._profiles.get(planned[:2], (None, "the example inputs"))[1]
+        if planned is not None and signature != planned[0] and key[:3] not in self._profiles:
+            before = self._profiles.get(planned[:3], (None, "the example inputs"))[1]
             return f"inputs {describe_inputs(inputs)} (planned for {before})"
         if planned is not None and autocast != planned[1]:
             state = ", ".join(f"{d} {t.replace('torch.', '')}" for d, t in autocast) or "off"
             return f"autocast {state} (planned with {', '.join(d for d, _ in planned[1]) or 'autocast off'})"
+        if planned is not None and in_eval != planned[2]:
+            names = ", ".join(in_eval[:3]) + (", ..." if len(in_eval) > 3 else "")
+            return f"submodules in eval mode: {names or 'none'} (planned with {len(planned[2])} in eval mode)"
         if grads_held:
             return "parameter gradients already exist (gradient accumulation): they are held all step"
         return f"inputs {describe_inputs(inputs)}"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.training:
+        if not self.original.training:  # opt.eval() or model.eval(): the user's own module
             return self.original(*args, **kwargs)
         return self._variant(StepInputs(args, kwargs)).graph_module(*args, **kwargs)
 
@@ -427,12 +442,21 @@ def _replace_segment(
             if arg not in inside:
                 inputs[arg] = None
     outputs = [n for n in members if any(user not in inside for user in n.users)]
+    # Buffers only run-once ops read (BatchNorm's running statistics, num_batches_tracked) are
+    # updated in place during the forward; passed as tensors, checkpoint would save them and
+    # refuse the changed version on recompute. They go by reference: the run-once ops skip
+    # themselves in the recompute, so nothing reads their values there.
+    by_reference = {arg for arg in inputs
+                    if all(u.op == "call_function" and u.target in RUN_ONCE_OPS for u in arg.users if u in inside)}
 
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for arg in inputs:
         env[arg] = sub.placeholder(arg.name)
         env[arg].meta = dict(arg.meta)
+    for arg in inputs:
+        if arg in by_reference:
+            env[arg] = sub.call_function(_dereference, (env[arg],))
     for node in members:
         env[node] = sub.node_copy(node, lambda a: env[a])
     sub.output(tuple(env[n] for n in outputs))
@@ -443,8 +467,17 @@ def _replace_segment(
     with graph.inserting_after(last), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
         holder = graph.get_attr(attr)
-    with graph.inserting_after(holder):
-        call = graph.call_function(_checkpointed, (holder, *inputs))
+    args: list[torch.fx.Node] = []
+    anchor = holder
+    for arg in inputs:
+        if arg in by_reference:
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(_Reference, (arg,))
+            args.append(anchor)
+        else:
+            args.append(arg)
+    with graph.inserting_after(anchor):
+        call = graph.call_function(_checkpointed, (holder, *args))
     anchor = call
     for i, node in enumerate(outputs):
         with graph.inserting_after(anchor):
@@ -458,3 +491,16 @@ def _replace_segment(
 
 def _getitem(values: tuple[Any, ...], index: int) -> Any:
     return values[index]
+
+
+class _Reference:
+    """A tensor handed to a checkpointed segment without checkpoint saving it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+def _dereference(ref: _Reference) -> torch.Tensor:
+    return ref.value
