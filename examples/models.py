@@ -54,12 +54,13 @@ def residual_mlp(batch: int = 2048, seed: int = 0) -> tuple[nn.Module, tuple[Any
     return model, (torch.randn(batch, 256),)
 
 
-def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
+         vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
     """A small GPT-2 language model (dropout on) and a batch of token ids with labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=layers, n_embd=256, n_head=4, vocab_size=4096, n_positions=max(seq_len, 64),
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=max(seq_len, 64),
         bos_token_id=0, eos_token_id=0, use_cache=False,
     )
     torch.manual_seed(seed)
@@ -68,13 +69,14 @@ def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> 
     return model, {"input_ids": ids, "labels": ids}
 
 
-def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
+          vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
     """A small Llama causal language model from a config, with token ids and labels."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=704, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=4096, max_position_embeddings=max(seq_len, 64), use_cache=False,
+        hidden_size=width, intermediate_size=704 * width // 256, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=max(seq_len, 64), use_cache=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
     torch.manual_seed(seed)
@@ -83,13 +85,14 @@ def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0) ->
     return model, {"input_ids": ids, "labels": ids}
 
 
-def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
+         vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
     """A small BERT masked language model from a config (dropout on), with token ids and labels."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
-        vocab_size=4096, max_position_embeddings=max(seq_len, 64), pad_token_id=0,
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, max_position_embeddings=max(seq_len, 64), pad_token_id=0,
     )
     torch.manual_seed(seed)
     model = BertForMaskedLM(config).train()
@@ -97,7 +100,7 @@ def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0) -> 
     return model, {"input_ids": ids, "labels": ids}
 
 
-def t5(batch: int = 4, seq_len: int = 64, layers: int = 2, width: int = 128,
+def t5(batch: int = 4, seq_len: int = 64, layers: int = 2, width: int = 128, vocab: int = 2048,
        seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A small T5 encoder-decoder (``T5ForConditionalGeneration``) from a config, dropout on.
 
@@ -106,7 +109,7 @@ def t5(batch: int = 4, seq_len: int = 64, layers: int = 2, width: int = 128,
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(
-        vocab_size=2048, d_model=width, d_kv=width // 4, d_ff=4 * width, num_layers=layers,
+        vocab_size=vocab, d_model=width, d_kv=width // 4, d_ff=4 * width, num_layers=layers,
         num_decoder_layers=layers, num_heads=4, dropout_rate=0.1, use_cache=False,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )
@@ -117,8 +120,8 @@ def t5(batch: int = 4, seq_len: int = 64, layers: int = 2, width: int = 128,
     return model, {"input_ids": ids, "labels": labels}
 
 
-def whisper(batch: int = 2, frames: int = 128, layers: int = 2, width: int = 128,
-            seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+def whisper(batch: int = 2, frames: int = 128, layers: int = 2, width: int = 128, vocab: int = 1024,
+            target_len: int = 32, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A small Whisper speech encoder-decoder from a config, with log-mel features and labels.
 
     ``frames`` is the feature length (the encoder's two convolutions halve it).
@@ -126,7 +129,7 @@ def whisper(batch: int = 2, frames: int = 128, layers: int = 2, width: int = 128
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     config = WhisperConfig(
-        vocab_size=1024, num_mel_bins=32, d_model=width, encoder_layers=layers, decoder_layers=layers,
+        vocab_size=vocab, num_mel_bins=32, d_model=width, encoder_layers=layers, decoder_layers=layers,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=4 * width,
         decoder_ffn_dim=4 * width, max_source_positions=frames // 2, max_target_positions=64,
         dropout=0.1, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -135,7 +138,7 @@ def whisper(batch: int = 2, frames: int = 128, layers: int = 2, width: int = 128
     torch.manual_seed(seed)
     model = WhisperForConditionalGeneration(config).train()
     features = torch.randn(batch, config.num_mel_bins, frames)
-    labels = torch.randint(3, config.vocab_size, (batch, 32))
+    labels = torch.randint(3, config.vocab_size, (batch, target_len))
     return model, {"input_features": features, "labels": labels}
 
 
@@ -155,13 +158,13 @@ def vit(batch: int = 8, image_size: int = 64, layers: int = 2, width: int = 128,
     return model, {"pixel_values": pixels, "labels": torch.randint(0, 10, (batch,))}
 
 
-def hf_resnet(batch: int = 8, image_size: int = 64, widths: tuple[int, ...] = (32, 64),
+def hf_resnet(batch: int = 8, image_size: int = 64, widths: tuple[int, ...] = (32, 64), depth: int = 2,
               seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A small HuggingFace ResNet (BatchNorm, residual shortcuts) from a config, images and labels."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(
-        embedding_size=widths[0], hidden_sizes=list(widths), depths=[1] * len(widths), layer_type="basic",
+        embedding_size=max(8, widths[0] // 2), hidden_sizes=list(widths), depths=[depth] * len(widths), layer_type="basic",
         num_labels=10,
     )
     torch.manual_seed(seed)
@@ -252,12 +255,12 @@ class TwoTower(nn.Module):
     ``forward(image=..., tokens=..., target=None)`` returns ``{"logits", "embedding", "loss"?}``.
     """
 
-    def __init__(self, width: int = 128, vocab: int = 512, classes: int = 10) -> None:
+    def __init__(self, width: int = 128, vocab: int = 512, classes: int = 10, depth: int = 4) -> None:
         super().__init__()
         self.image = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.GELU(), nn.Flatten(), nn.LazyLinear(width))
         self.tokens = nn.Embedding(vocab, width)
-        self.fuse = nn.Sequential(nn.LayerNorm(2 * width), nn.Linear(2 * width, 4 * width), nn.GELU(),
-                                  nn.Dropout(0.1), nn.Linear(4 * width, width))
+        self.fuse = nn.Sequential(nn.Linear(2 * width, width),
+                                  *[ResidualBlock(width, 4 * width, 0.1) for _ in range(depth)])
         self.head = nn.Linear(width, classes)
 
     def forward(self, image: torch.Tensor, tokens: torch.Tensor,
@@ -271,11 +274,11 @@ class TwoTower(nn.Module):
         return out
 
 
-def two_tower(batch: int = 32, image_size: int = 32, width: int = 128,
+def two_tower(batch: int = 256, image_size: int = 32, width: int = 128, depth: int = 4,
               seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """A model called with keyword arguments that returns a dict (with a ``loss``)."""
     torch.manual_seed(seed)
-    model = TwoTower(width).train()
+    model = TwoTower(width, depth=depth).train()
     image = torch.randn(batch, 3, image_size, image_size)
     with torch.no_grad():
         model(image=image[:1], tokens=torch.zeros(1, 4, dtype=torch.long))  # materialise the lazy layer

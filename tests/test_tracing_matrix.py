@@ -1,0 +1,252 @@
+"""Tracing reach and profiler fidelity: every example model traced, profiled, optimized and trained.
+
+For each model of the matrix: ``optimize`` once with a roomy budget (profiles it into a cache),
+the predicted unoptimized peak against the allocator's (CPU profiler memory events), then
+``optimize`` at 50 % of the measured peak (read from the cache, not profiled again), its
+predicted peak against the allocator's, and one training step of the optimized module against
+the original: same loss, bitwise-equal gradients and buffers (BatchNorm running statistics
+updated exactly once), then an optimizer step.
+
+Tiny models run by default; larger ones are marked ``slow``. Also here: the profile cache, fake
+tensor bytes, fake-tensor planning of a GPT-2-XL-sized model on the meta device, and the
+TraceError messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+from typing import Any
+
+import pytest
+import torch
+
+import models
+import profiling.profile
+from planner import TraceError, simulate
+from planner.pipeline import optimize, plan_for_budget
+from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
+from profiling.cache import cached_profile_graph, fingerprint, load_profile
+from profiling.measure import loss_of
+
+GIB = 2**30
+TOLERANCE = 0.05
+#: fewer stages than the default 32: the ILP solves in about a second on these small graphs
+SOLVE = {"max_stages": 16, "time_limit_s": 30.0, "timing_repeats": 1}
+
+FAST = {
+    "gpt2": lambda: models.gpt2(batch=4, seq_len=64, layers=4, width=64, vocab=256),
+    "llama": lambda: models.llama(batch=4, seq_len=64, layers=4, width=64, vocab=256),
+    "bert": lambda: models.bert(batch=4, seq_len=64, layers=4, width=64, vocab=256),
+    "t5": lambda: models.t5(batch=4, seq_len=32, layers=4, width=64, vocab=256),
+    "whisper": lambda: models.whisper(batch=4, frames=64, layers=4, width=64, vocab=256, target_len=64),
+    "vit": lambda: models.vit(batch=16, image_size=32, layers=4, width=64),
+    "hf_resnet": lambda: models.hf_resnet(batch=16, image_size=32, widths=(32,), depth=8),
+    "nn_transformer": lambda: models.nn_transformer(batch=4, seq_len=32, layers=3, width=64),
+    "cnn_batchnorm": lambda: models.cnn(batch=8, image_size=16, widths=(16,), blocks_per_stage=6),
+    "kwargs_dict": lambda: models.two_tower(batch=512, image_size=8, width=64, depth=6),
+}
+
+SLOW = {
+    "gpt2_large": lambda: models.gpt2(batch=4, seq_len=128, layers=6, width=128, vocab=1024),
+    "llama_large": lambda: models.llama(batch=4, seq_len=128, layers=6, width=128, vocab=1024),
+    "bert_large": lambda: models.bert(batch=4, seq_len=128, layers=6, width=128, vocab=1024),
+    "t5_large": lambda: models.t5(batch=4, seq_len=64, layers=6, width=128, vocab=1024),
+    "whisper_large": lambda: models.whisper(batch=4, frames=128, layers=6, width=128, vocab=1024, target_len=128),
+    "vit_large": lambda: models.vit(batch=32, image_size=64, layers=6, width=128),
+    "hf_resnet_large": lambda: models.hf_resnet(batch=16, image_size=64, widths=(32,), depth=12),
+    "nn_transformer_large": lambda: models.nn_transformer(batch=8, seq_len=64, layers=6, width=128),
+    "cnn_batchnorm_large": lambda: models.cnn(batch=16, image_size=32, widths=(32,), blocks_per_stage=8),
+    "kwargs_dict_large": lambda: models.two_tower(batch=1024, image_size=16, width=128, depth=8),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the machine is shared, and oversubscribed threads make steps 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def profile_calls(monkeypatch) -> list[int]:
+    """Counts calls of ``profile_graph`` (the cache looks it up at call time)."""
+    calls: list[int] = []
+    real = profiling.profile.profile_graph
+
+    def counting(*args: Any, **kwargs: Any):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profiling.profile, "profile_graph", counting)
+    return calls
+
+
+def training_step(module: torch.nn.Module, owner: torch.nn.Module, inputs: StepInputs, seed: int):
+    """Loss, gradients (cloned) and output of one forward plus backward, from a fixed seed."""
+    owner.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = module(*inputs.args, **inputs.kwargs)
+    loss = loss_of(out)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, out
+
+
+def check_model(build, tmp_path, profile_calls: list[int]) -> dict[str, float]:
+    model, example = build()
+    inputs = StepInputs.from_example(example)
+    reference = copy.deepcopy(model)
+
+    roomy = optimize(model, example, budget_gb=64.0, cache_dir=str(tmp_path), **SOLVE)
+    assert len(profile_calls) == 1 and roomy.cost_graph.metadata["cache"] == "miss"
+    assert roomy.plan.segments == ()
+    unopt_predicted = simulate(roomy.cost_graph).peak_bytes
+    unopt_measured = measure_step_peak_bytes(model, inputs)
+    assert unopt_predicted == pytest.approx(unopt_measured, rel=TOLERANCE)
+
+    budget_bytes = unopt_measured // 2
+    opt = optimize(model, example, budget_gb=budget_bytes / GIB, cache_dir=str(tmp_path), **SOLVE)
+    assert len(profile_calls) == 1, "the second budget must come from the profile cache"
+    assert opt.cost_graph.metadata["cache"] == "hit"
+    assert opt.plan.segments, "at half the peak something must be recomputed"
+    measured = measure_step_peak_bytes(opt, inputs)
+    assert measured <= budget_bytes, f"measured {measured} over the budget {budget_bytes}"
+    assert opt.plan.predicted_peak_bytes == pytest.approx(measured, rel=TOLERANCE)
+
+    # one training step: same loss, bitwise-equal gradients and buffers, same output type
+    ref_loss, ref_grads, ref_out = training_step(reference, reference, inputs, seed=3)
+    loss, grads, out = training_step(opt, model, inputs, seed=3)
+    assert type(out) is type(ref_out)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+    ref_buffers = dict(reference.named_buffers())
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, ref_buffers[name]), f"buffer {name} differs after one step"
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    model.zero_grad(set_to_none=True)
+    assert torch.isfinite(loss_of(opt(*inputs.args, **inputs.kwargs)))
+    return {
+        "unopt_predicted": unopt_predicted, "unopt_measured": unopt_measured,
+        "plan_predicted": opt.plan.predicted_peak_bytes, "plan_measured": measured,
+    }
+
+
+@pytest.mark.parametrize("name", list(FAST))
+def test_model_traces_profiles_optimizes_and_trains(name, tmp_path, profile_calls):
+    check_model(FAST[name], tmp_path, profile_calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_larger_model_traces_profiles_optimizes_and_trains(name, tmp_path, profile_calls):
+    check_model(SLOW[name], tmp_path, profile_calls)
+
+
+def test_profile_cache_round_trip_and_same_plan(tmp_path, profile_calls):
+    model, example = FAST["gpt2"]()
+    first = optimize(model, example, budget_gb=0.008, cache_dir=str(tmp_path), **SOLVE)
+    second = optimize(model, example, budget_gb=0.007, cache_dir=str(tmp_path), **SOLVE)
+    assert len(profile_calls) == 1
+    (path,) = tmp_path.glob("*.json")
+    loaded = load_profile(path)
+    assert loaded.nodes == first.cost_graph.nodes and loaded.storages == first.cost_graph.storages
+    assert loaded.step_ms == first.cost_graph.step_ms
+    assert loaded.measured_peak_bytes == first.cost_graph.measured_peak_bytes
+    # the plan from the cached profile is the plan from the profile in memory
+    direct = plan_for_budget(first.cost_graph, 0.007, max_stages=16, time_limit_s=30.0)
+    assert second.plan.segments == direct.segments
+    assert second.plan.predicted_peak_bytes == direct.predicted_peak_bytes
+
+
+def test_fingerprint_follows_graph_shapes_and_target():
+    model, example = FAST["gpt2"]()
+    gm = trace_module(model, example)
+    key = fingerprint(gm, example)
+    assert key == fingerprint(trace_module(model, example), example)
+    assert key != fingerprint(gm, example, fake=True, target="h100")
+    other = {k: v[:, :32] for k, v in example.items()}
+    assert fingerprint(trace_module(model, other), other) != key
+
+
+def test_unreadable_cache_file_is_profiled_again(tmp_path, profile_calls):
+    model, example = models.residual_mlp(batch=64)
+    gm = trace_module(model, example)
+    (tmp_path / f"{fingerprint(gm, example)}.json").write_text("{not json")
+    graph = cached_profile_graph(gm, example, tmp_path, timing_repeats=1)
+    assert len(profile_calls) == 1 and graph.metadata["cache"] == "miss"
+    assert cached_profile_graph(gm, example, tmp_path).metadata["cache"] == "hit"
+
+
+def test_fake_profile_bytes_are_exact():
+    """Fake tensors give the measured profile's bytes for every output and saved activation."""
+    model, example = FAST["gpt2"]()
+    gm = trace_module(model, example)
+    real = profile_graph(gm, example, timing_repeats=1, measure_peak=False)
+    fake = profile_graph(gm, example, fake=True, target="h100")
+    assert [n.name for n in fake.nodes] == [n.name for n in real.nodes]
+    assert fake.persistent_bytes == real.persistent_bytes
+
+    def saved(graph):
+        sizes = graph.storage_by_key
+        return {n.name: sorted(sizes[k].size_bytes for k in n.saved_storages) for n in graph.nodes}
+
+    assert saved(fake) == saved(real)
+    assert [n.output_bytes for n in fake.nodes] == [n.output_bytes for n in real.nodes]
+    assert fake.metadata["mode"] == "fake" and fake.metadata["target"] == "h100"
+    assert all(n.time_ms > 0 for n in fake.compute_nodes if n.flops)
+
+
+@pytest.mark.slow
+def test_fake_planning_of_gpt2_xl_for_an_h100_without_allocating():
+    """A GPT-2-XL-sized model (1.6e9 parameters, 4k tokens) needs ~150 GiB unoptimized: far more
+    than this machine's RAM. Built on the meta device and profiled on fake tensors, it is planned
+    for an 80 GB H100 without allocating its tensors."""
+    rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model, example = models.gpt2_meta(batch=1, seq_len=4096)
+    assert sum(p.numel() for p in model.parameters()) > 1.5e9
+    graph = profile_graph(trace_module(model, example), example, fake=True, target="h100")
+    unoptimized = simulate(graph).peak_bytes
+    assert unoptimized > 100 * GIB
+    plan = plan_for_budget(graph, 80e9 / GIB)
+    assert plan.segments and plan.predicted_peak_bytes <= 80e9
+    assert 0 < plan.step_ms < 1e5 and graph.metadata["target"] == "h100"
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib
+    assert grown_kib < 2 * 2**20, f"resident memory grew by {grown_kib / 2**20:.1f} GiB"
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow
+            return self.fc(x)
+        return x
+
+
+def test_trace_error_names_submodule_line_and_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Gate())
+    with pytest.raises(TraceError) as info:
+        trace_module(model, (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "submodule 1 (_Gate)" in message
+    assert "test_tracing_matrix.py" in message and "if x.sum() > 0:" in message
+    assert "what to do" in message and "torch.where" in message
+
+
+def test_trace_error_for_a_returned_cache_says_use_cache_false():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0,
+                        use_cache=True)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TraceError, match="use_cache=False"):
+        trace_module(GPT2LMHeadModel(config), {"input_ids": ids})
