@@ -131,7 +131,7 @@ def whisper(batch: int = 2, frames: int = 128, layers: int = 2, width: int = 128
     config = WhisperConfig(
         vocab_size=vocab, num_mel_bins=32, d_model=width, encoder_layers=layers, decoder_layers=layers,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=4 * width,
-        decoder_ffn_dim=4 * width, max_source_positions=frames // 2, max_target_positions=64,
+        decoder_ffn_dim=4 * width, max_source_positions=frames // 2, max_target_positions=max(64, target_len),
         dropout=0.1, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=1,
     )

@@ -190,10 +190,13 @@ def _location(exc: BaseException, model: torch.nn.Module) -> tuple[str, str]:
     return module, source
 
 
-def _hint(exc: BaseException, method: str) -> str:
-    """What to change, from the kind of failure."""
+def _hint(exc: BaseException, method: str, source: str = "") -> str:
+    """What to change, from the kind of failure (and the failing source line)."""
     text = " ".join(str(e) for e in (exc, exc.__cause__) if e is not None)
     kind = type(exc).__name__
+    if "(`raise " in source:
+        return ("the model's own code rejected the example inputs at that line: change the inputs or the "
+                "model's config as its message says, and trace again")
     if "Cache" in text and ("output" in text or "pytree" in text) or "past_key_values" in text:
         return ("the model returns a key/value cache: build it with use_cache=False "
                 "(config.use_cache=False, or pass use_cache=False in the inputs)")
@@ -255,7 +258,7 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise TraceError(
             f"could not capture {name} with {method}: in submodule {module}, at {source}: "
-            f"{type(exc).__name__}: {first_line} -- what to do: {_hint(exc, method)}"
+            f"{type(exc).__name__}: {first_line} -- what to do: {_hint(exc, method, source)}"
         ) from exc
     _share_parameters(model, gm)
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
