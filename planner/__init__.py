@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from planner.costgraph import CostGraph, CostNode, Storage
-from planner.errors import InfeasibleBudgetError, PlannerError, ProfileError, SolverError, TraceError
+from planner.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, SolverError, TraceError
 from planner.plan import Plan, Segment
 from planner.simulate import SimulationResult, simulate
 from planner.solve import available_solvers, minimum_peak_plan, solve
@@ -24,6 +24,7 @@ __all__ = [
     "CostGraph",
     "CostNode",
     "InfeasibleBudgetError",
+    "InputError",
     "Plan",
     "PlannerError",
     "ProfileError",

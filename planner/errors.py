@@ -6,11 +6,17 @@ failure this package raises on purpose.
 
 from __future__ import annotations
 
-__all__ = ["PlannerError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError"]
+__all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError"]
 
 
 class PlannerError(Exception):
     """Base class of every error raised by the checkpoint planner."""
+
+
+class InputError(PlannerError, ValueError):
+    """An argument cannot be planned for: a bad budget, a model in eval mode or on the meta
+    device, nothing to train, example inputs that do not fit ``forward``. The message says what
+    to change."""
 
 
 class InfeasibleBudgetError(PlannerError):

@@ -18,7 +18,7 @@ import logging
 import math
 from typing import Any
 
-from planner.errors import InfeasibleBudgetError, PlannerError
+from planner.errors import InfeasibleBudgetError, InputError, PlannerError
 from planner.costgraph import CostGraph, hold_parameter_grads, shard_parameters
 from planner.plan import GIB, Plan
 from planner.solve import solve
@@ -28,11 +28,23 @@ __all__ = ["optimize", "plan_for_budget"]
 log = logging.getLogger(__name__)
 
 
-def _budget_bytes(budget_gb: float) -> int:
+#: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
+#: single accelerator holds a terabyte.
+MAX_PLAUSIBLE_BUDGET_GB = 1024.0
+
+
+def _budget_bytes(budget_gb: float, name: str = "budget_gb") -> int:
+    """``budget_gb`` in bytes, or :class:`InputError` for a value that cannot be a budget in GiB."""
     if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
-        raise PlannerError(f"budget_gb must be a number of GiB, got {type(budget_gb).__name__}")
+        raise InputError(f"{name} must be a number of GiB, got {type(budget_gb).__name__}")
     if not math.isfinite(budget_gb) or budget_gb <= 0:
-        raise PlannerError(f"budget_gb must be a positive finite number of GiB, got {budget_gb}")
+        raise InputError(f"{name} must be a positive finite number of GiB, got {budget_gb}")
+    if budget_gb > MAX_PLAUSIBLE_BUDGET_GB:
+        raise InputError(
+            f"{name}={budget_gb:g} looks like the wrong unit: it is in GiB (2**30 bytes), and no single "
+            f"device has more than {MAX_PLAUSIBLE_BUDGET_GB:g} GiB; for {budget_gb:g} MiB pass "
+            f"{name}={budget_gb / 1024:.4g}"
+        )
     return int(budget_gb * GIB)
 
 
@@ -67,11 +79,11 @@ def plan_for_budget(
         ()
     """
     budget_bytes = _budget_bytes(budget_gb)
-    reserve_bytes = _budget_bytes(reserve_gb) if reserve_gb else 0
+    reserve_bytes = _budget_bytes(reserve_gb, "reserve_gb") if reserve_gb else 0
     if budget_bytes <= reserve_bytes:
-        raise PlannerError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
+        raise InputError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
     if not 0 <= safety_margin < 1:
-        raise PlannerError(f"safety_margin must be in [0, 1), got {safety_margin}")
+        raise InputError(f"safety_margin must be in [0, 1), got {safety_margin}")
     planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
     try:
         graph = shard_parameters(graph, world_size)
@@ -139,18 +151,21 @@ def optimize(
         are re-planned for the same budget on first use (one INFO log line each, then cached).
 
     Raises:
+        InputError: a budget that is not a positive number of GiB or looks like another unit; a
+            model in eval mode, on the meta device or with nothing to train; inputs that do not
+            fit ``model.forward`` or sit on another device.
         InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
-        TraceError: the model could not be captured.
+        TraceError: the model could not be captured (names the submodule and source line).
+        SolverError: no MILP solver is installed, or none found a plan within ``time_limit_s``.
     """
-    import torch
-
+    from profiling.validate import check_model_and_inputs
     from rewrite.apply import CheckpointedModule
 
-    if not isinstance(model, torch.nn.Module):
-        raise PlannerError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _budget_bytes(budget_gb)  # fail on a bad budget before the slow work
-    if not model.training:
-        log.warning("model is in eval mode; the plan is made for the step as traced (call model.train() first)")
+    # fail on a bad budget, model or inputs before the slow work
+    _budget_bytes(budget_gb)
+    if reserve_gb:
+        _budget_bytes(reserve_gb, "reserve_gb")
+    check_model_and_inputs(model, example_inputs)
     replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
                        safety_margin, selective, world_size, cache_dir, progress)
     gm, plan, graph = replan(model, example_inputs)

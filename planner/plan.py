@@ -58,6 +58,11 @@ class Plan:
     solver: str
     solve_s: float
     measured_unoptimized_peak_bytes: int | None = None
+    #: proven relative gap between this plan's recompute cost and the solver's best bound
+    #: (None when unknown: no ILP ran, or the plan is the minimum-peak fallback)
+    optimality_gap: float | None = None
+    #: the solver stopped at its time limit; the plan fits the budget but may cost more
+    hit_time_limit: bool = False
 
     @property
     def recompute_ms(self) -> float:
@@ -91,7 +96,7 @@ class Plan:
             f"{self.step_ms:.1f} ms step)",
             f"extra FLOPs       {self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
             f"of the forward)",
-            f"solver            {self.solver}, {self.solve_s:.2f} s",
+            f"solver            {self.solver}, {self.solve_s:.2f} s{self._solver_note()}",
         ]
         for k, seg in enumerate(self.segments):
             lines.append(
@@ -100,6 +105,10 @@ class Plan:
                 f"{', selective: matmuls kept' if seg.selective else ''})"
             )
         return "\n".join(lines)
+
+    def _solver_note(self) -> str:
+        gap = "" if self.optimality_gap is None else f", gap {self.optimality_gap:.1%}"
+        return gap + (" (stopped at the time limit)" if self.hit_time_limit else "")
 
     def to_frame(self) -> "pandas.DataFrame":
         """One row per recomputed node: its segment index and node name."""

@@ -41,7 +41,7 @@ from typing import Any
 import pulp
 
 from planner.costgraph import CostGraph
-from planner.errors import InfeasibleBudgetError, SolverError
+from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
@@ -106,16 +106,82 @@ def _cbc(time_limit_s: float) -> pulp.LpSolver:
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s or None, gapRel=MIP_GAP)
 
 
-def _make_solver(name: str | None, time_limit_s: float) -> tuple[str, pulp.LpSolver]:
+#: Every solver this module can drive, best first, with what to install when it is missing.
+KNOWN_SOLVERS = {"HiGHS": "pip install highspy", "CBC": "pip install pulp (its wheels bundle CBC)"}
+
+
+def _check_time_limit(time_limit_s: float) -> None:
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0 \
+            or not math.isfinite(time_limit_s):
+        raise InputError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+
+
+def _choose_solver(name: str | None) -> str:
+    """The requested solver, or the best installed one when it is None or missing here.
+
+    An unknown name raises; a known solver that is not installed falls back to another with a
+    warning that says what to install; no solver at all raises :class:`SolverError`.
+    """
+    if name is not None and name not in KNOWN_SOLVERS:
+        raise SolverError(f"unknown solver {name!r}; choose one of {sorted(KNOWN_SOLVERS)} or None for the best installed")
     names = available_solvers()
     if not names:
-        raise SolverError("no MILP solver is available: pip install highspy (or a PuLP with CBC)")
+        raise SolverError("no MILP solver is available: " + " or ".join(KNOWN_SOLVERS.values()))
     chosen = name or names[0]
     if chosen not in names:
-        raise SolverError(f"solver {chosen!r} is not available here; available: {names}")
-    if chosen == "HiGHS":
-        return chosen, pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
-    return chosen, _cbc(time_limit_s)
+        log.warning("solver %s is not installed (%s); using %s", chosen, KNOWN_SOLVERS[chosen], names[0])
+        chosen = names[0]
+    return chosen
+
+
+def _solver_named(name: str, time_limit_s: float) -> pulp.LpSolver:
+    if name == "HiGHS":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
+    return _cbc(time_limit_s)
+
+
+@dataclass(frozen=True)
+class _IlpResult:
+    """One ILP solve: the chosen ``(first_stage, last_stage, selective)`` runs and how the solver ended."""
+
+    chosen: list[tuple[int, int, bool]]
+    solver: str
+    #: proven relative gap between this solution and the best bound; None when not known
+    gap: float | None
+    hit_time_limit: bool
+
+
+def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float) -> str:
+    """Solve ``prob`` with ``name``; when that solver fails to run, with another installed one."""
+    try:
+        prob.solve(_solver_named(name, time_limit_s))
+        return name
+    except pulp.PulpSolverError as exc:
+        others = [other for other in available_solvers() if other != name]
+        if not others:
+            raise SolverError(f"{name} failed to run ({exc}); install another: "
+                              + " or ".join(KNOWN_SOLVERS[k] for k in KNOWN_SOLVERS if k != name)) from exc
+        log.warning("%s failed to run (%s); retrying with %s", name, exc, others[0])
+        prob.solve(_solver_named(others[0], time_limit_s))
+        return others[0]
+
+
+def _proven_gap(prob: pulp.LpProblem, name: str, objective: float, hit_time_limit: bool) -> float | None:
+    """Relative gap between ``objective`` and the solver's best bound (HiGHS reports it; for CBC
+    a time-limited solve is bounded by the LP relaxation, an optimal one by the requested gap)."""
+    if name == "HiGHS" and getattr(prob, "solverModel", None) is not None:
+        gap = float(prob.solverModel.getInfo().mip_gap)
+        return gap if math.isfinite(gap) else None
+    if not hit_time_limit:
+        return MIP_GAP
+    relaxed = prob.deepcopy()
+    for var in relaxed.variables():
+        var.cat = pulp.LpContinuous
+    relaxed.solve(_cbc(0))
+    bound = pulp.value(relaxed.objective)
+    if relaxed.status != pulp.LpStatusOptimal or bound is None or objective <= 0:
+        return None
+    return max(0.0, (objective - bound) / objective)
 
 
 def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVariable:
@@ -286,15 +352,16 @@ def _solve_ilp(
     budget_mib: float | None,
     solver_name: str | None,
     time_limit_s: float,
-) -> tuple[list[tuple[int, int, bool]], str] | None:
+) -> _IlpResult | None:
     """Solve once. ``budget_mib=None`` minimises the peak instead of the recompute time.
 
-    Returns the chosen ``(first_stage, last_stage, selective)`` segments and the solver name, or
-    None when the model is infeasible.
+    Returns the chosen segments and how the solve ended, or None when the model is infeasible.
+    A time limit that stops the solver with a feasible solution returns it with its gap; one
+    that stops it with none raises :class:`SolverError`.
     """
     k_count = len(model.stages)
     segs = model.segments
-    name, solver = _make_solver(solver_name, time_limit_s)
+    name = _choose_solver(solver_name)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
     y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
     z = {s: _variable(prob, f"selective_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in model.selective_segments}
@@ -377,18 +444,22 @@ def _solve_ilp(
             + open_segments <= bound,
             f"backward_stage_{j}",
         )
-    prob.solve(solver)
+    name = _run_solver(prob, name, time_limit_s)
     if prob.sol_status not in _ACCEPTED:
         if prob.sol_status == pulp.LpSolutionNoSolutionFound and prob.status != pulp.LpStatusInfeasible:
             raise SolverError(
-                f"{name} found no feasible plan within {time_limit_s:.0f} s; raise time_limit_s"
+                f"{name} found no feasible plan within time_limit_s={time_limit_s:g}; raise time_limit_s "
+                f"or the budget"
             )
         return None
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        log.warning("%s stopped at its time limit; the plan is feasible but may not be optimal", name)
+    hit_time_limit = prob.sol_status == pulp.LpSolutionIntegerFeasible
     chosen = [(a, b, False) for (a, b) in segs if (y[(a, b)].value() or 0) > 0.5]
     chosen += [(a, b, True) for (a, b) in z if (z[(a, b)].value() or 0) > 0.5]
-    return sorted(chosen), name
+    gap = _proven_gap(prob, name, float(pulp.value(prob.objective) or 0.0), hit_time_limit)
+    if hit_time_limit:
+        log.warning("%s stopped at its time limit (%g s) with a feasible plan; proven gap %s", name, time_limit_s,
+                    "unknown" if gap is None else f"{gap:.1%}")
+    return _IlpResult(sorted(chosen), name, gap, hit_time_limit)
 
 
 def _segments(model: _StageModel, chosen: list[tuple[int, int, bool]]) -> list[Segment]:
@@ -411,6 +482,7 @@ def _to_plan(
     peak_bytes: int,
     solver: str,
     solve_s: float,
+    result: _IlpResult | None = None,
 ) -> Plan:
     return Plan(
         budget_bytes=budget_bytes,
@@ -423,6 +495,8 @@ def _to_plan(
         solver=solver,
         solve_s=solve_s,
         measured_unoptimized_peak_bytes=graph.measured_peak_bytes,
+        optimality_gap=result.gap if result else None,
+        hit_time_limit=result.hit_time_limit if result else False,
     )
 
 
@@ -438,6 +512,7 @@ def minimum_peak_plan(
 
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
     """
+    _check_time_limit(time_limit_s)
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
     model = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=selective)
@@ -445,12 +520,11 @@ def minimum_peak_plan(
     result = _solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
         raise SolverError("the minimum-peak model was reported infeasible")
-    chosen, name = result
-    segments = _segments(model, chosen)
+    segments = _segments(model, result.chosen)
     peak = simulate(graph, segments).peak_bytes
     if peak > unoptimized:
         segments, peak = [], unoptimized
-    return _to_plan(graph, segments, peak, unoptimized, peak, name, time.perf_counter() - started)
+    return _to_plan(graph, segments, peak, unoptimized, peak, result.solver, time.perf_counter() - started, result)
 
 
 def solve(
@@ -479,6 +553,7 @@ def solve(
         budget_bytes = int(budget_bytes)
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    _check_time_limit(time_limit_s)
     started = time.perf_counter()
     unoptimized = simulate(graph).peak_bytes
     if unoptimized <= budget_bytes:
@@ -498,8 +573,9 @@ def solve(
     fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                  selective=selective)
     if fallback.predicted_peak_bytes <= budget_bytes:
-        return _to_plan(graph, list(fallback.segments), budget_bytes, unoptimized, fallback.predicted_peak_bytes,
-                        fallback.solver, time.perf_counter() - started)
+        # the fallback minimised the peak, so no gap on the recompute cost is known
+        return dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None,
+                                   solve_s=time.perf_counter() - started)
     raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
 
 
@@ -521,13 +597,13 @@ def _tightened(
         result = _solve_ilp(model, target_mib, solver, time_limit_s)
         if result is None:
             return None
-        chosen, name = result
-        segments = _segments(model, chosen)
+        segments = _segments(model, result.chosen)
         peak = simulate(graph, segments).peak_bytes
         log.info("attempt %d: %d segments, simulated peak %.1f MiB (budget %.1f MiB)",
-                 attempt, len(chosen), peak / MIB, budget_bytes / MIB)
+                 attempt, len(result.chosen), peak / MIB, budget_bytes / MIB)
         if peak <= budget_bytes:
-            label = f"{name} (tightened)" if attempt else name
-            return _to_plan(graph, segments, budget_bytes, unoptimized, peak, label, time.perf_counter() - started)
+            label = f"{result.solver} (tightened)" if attempt else result.solver
+            return _to_plan(graph, segments, budget_bytes, unoptimized, peak, label, time.perf_counter() - started,
+                            result)
         target_mib -= (peak - budget_bytes) / MIB + 0.5
     return None

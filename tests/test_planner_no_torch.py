@@ -179,7 +179,7 @@ def test_unknown_solver_is_a_clear_error():
     from planner import SolverError
 
     g = chain([4, 4, 4, 4])
-    with pytest.raises(SolverError, match="not available"):
+    with pytest.raises(SolverError, match="unknown solver"):
         solve(g, int(simulate(g).peak_bytes * 0.9), solver="Gurobi")
 
 

@@ -1,0 +1,182 @@
+"""The solver never returns a plan over budget, says why when it cannot plan, and survives a
+missing, broken or slow solver (standard library, PuLP and hypothesis only: no torch)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pulp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphs import MIB, chain, random_dag
+from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
+
+# ``planner.solve`` the attribute is the function; the module is reached by its import name
+solve_module = importlib.import_module("planner.solve")
+
+PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 12), fraction=st.floats(0.0, 1.2))
+def test_any_returned_plan_is_within_budget_and_any_refusal_names_a_feasible_minimum(seed, n, fraction):
+    g = random_dag(seed, n)
+    unoptimized = simulate(g).peak_bytes
+    budget = max(1, int(unoptimized * fraction))
+    try:
+        plan = solve(g, budget)
+    except InfeasibleBudgetError as exc:
+        assert exc.budget_bytes == budget < exc.min_feasible_bytes
+        floor = minimum_peak_plan(g)
+        assert floor.predicted_peak_bytes == exc.min_feasible_bytes
+        assert simulate(g, [s.node_names for s in floor.segments]).peak_bytes == exc.min_feasible_bytes
+        return
+    replay = simulate(g, [s.node_names for s in plan.segments]).peak_bytes
+    assert replay == plan.predicted_peak_bytes <= budget
+    if budget >= unoptimized:
+        assert plan.segments == ()
+
+
+@PROPERTY_SETTINGS
+@given(sizes=st.lists(st.integers(1, 16), min_size=2, max_size=10),
+       times=st.lists(st.floats(0.01, 5.0), min_size=10, max_size=10),
+       fraction=st.floats(0.3, 1.0))
+def test_chains_with_random_sizes_and_costs_plan_within_budget(sizes, times, fraction):
+    g = chain([s / 2 for s in sizes], times[: len(sizes)], param_mib=0.5)
+    budget = int(simulate(g).peak_bytes * fraction)
+    try:
+        plan = solve(g, budget)
+    except InfeasibleBudgetError as exc:
+        assert exc.min_feasible_bytes > budget
+        return
+    assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
+
+
+def test_bad_budget_and_time_limit_are_input_errors():
+    g = chain([4, 4, 4])
+    with pytest.raises(ValueError, match="positive"):
+        solve(g, 0)
+    with pytest.raises(ValueError, match="finite"):
+        solve(g, float("nan"))
+    for bad in (0, -1.0, float("inf"), "10"):
+        with pytest.raises(InputError, match="time_limit_s must be a positive number"):
+            solve(g, int(simulate(g).peak_bytes * 0.8), time_limit_s=bad)
+
+
+def test_unknown_solver_names_the_choices():
+    g = chain([4, 4, 4, 4])
+    with pytest.raises(SolverError, match=r"unknown solver 'Gurobi'.*CBC.*HiGHS"):
+        solve(g, int(simulate(g).peak_bytes * 0.9), solver="Gurobi")
+
+
+def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(monkeypatch, caplog):
+    if "CBC" not in solve_module.available_solvers():
+        pytest.skip("CBC is not installed here")  # pragma: no cover - PuLP's wheels bundle it
+    monkeypatch.setattr(solve_module, "available_solvers", lambda: ["CBC"])
+    g = chain([4, 4, 4, 4, 4, 4])
+    budget = int(simulate(g).peak_bytes * 0.8)
+    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+        plan = solve(g, budget, solver="HiGHS")
+    assert plan.solver == "CBC" and plan.segments
+    assert any("HiGHS is not installed (pip install highspy); using CBC" in r.getMessage() for r in caplog.records)
+
+
+def test_no_solver_at_all_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(solve_module, "available_solvers", lambda: [])
+    g = chain([4, 4, 4, 4])
+    with pytest.raises(SolverError, match="no MILP solver is available: pip install highspy"):
+        solve(g, int(simulate(g).peak_bytes * 0.8))
+
+
+def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
+    if solve_module.available_solvers() != ["HiGHS", "CBC"]:
+        pytest.skip("needs both HiGHS and CBC")  # pragma: no cover - the test extra installs both
+    real = solve_module._solver_named
+
+    class BrokenBinary(pulp.LpSolver):
+        def actualSolve(self, lp):  # noqa: N802 - PuLP's name
+            raise pulp.PulpSolverError("cannot execute solver binary")
+
+    monkeypatch.setattr(solve_module, "_solver_named",
+                        lambda name, t: BrokenBinary() if name == "HiGHS" else real(name, t))
+    g = chain([4, 4, 4, 4, 4, 4])
+    budget = int(simulate(g).peak_bytes * 0.8)
+    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+        plan = solve(g, budget, solver="HiGHS")
+    assert plan.solver == "CBC" and plan.predicted_peak_bytes <= budget
+    assert any("HiGHS failed to run" in r.getMessage() for r in caplog.records)
+
+
+def test_time_limit_gives_a_plan_within_budget_with_its_gap_or_a_clear_error():
+    """A hard graph and a tiny time limit: either a plan that fits (flagged, with its proven gap)
+    or a SolverError that says to raise the limit; never a plan over budget."""
+    g = random_dag(3, 40)
+    unoptimized = simulate(g).peak_bytes
+    budget = int(unoptimized * 0.75)
+    try:
+        plan = solve(g, budget, time_limit_s=0.05, max_attempts=2)
+    except SolverError as exc:
+        assert "no feasible plan within time_limit_s=0.05; raise time_limit_s" in str(exc)
+    except InfeasibleBudgetError as exc:
+        assert exc.min_feasible_bytes > budget
+    else:
+        assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
+        if plan.hit_time_limit:
+            assert "stopped at the time limit" in plan.summary()
+
+
+def test_optimal_plans_report_their_proven_gap():
+    g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
+    floor = minimum_peak_plan(g).predicted_peak_bytes
+    plan = solve(g, (floor + simulate(g).peak_bytes) // 2)
+    assert plan.segments and not plan.hit_time_limit
+    assert plan.optimality_gap is not None and 0.0 <= plan.optimality_gap <= solve_module.MIP_GAP + 1e-9
+    assert f"gap {plan.optimality_gap:.1%}" in plan.summary()
+
+
+def test_cbc_gap_after_a_time_limit_is_bounded_by_the_lp_relaxation():
+    prob = pulp.LpProblem("knapsack", pulp.LpMinimize)
+    x = [solve_module._variable(prob, f"x{i}", cat="Binary") for i in range(4)]
+    prob += pulp.lpSum((i + 1) * v for i, v in enumerate(x))
+    prob += pulp.lpSum(x) >= 1.5, "at_least_two_halves"
+    prob.solve(solve_module._cbc(10))
+    objective = pulp.value(prob.objective)  # x0 + x1 = 3; the relaxation reaches 1 + 0.5 * 2 = 2
+    gap = solve_module._proven_gap(prob, "CBC", objective, hit_time_limit=True)
+    assert gap == pytest.approx((3 - 2) / 3)
+    assert solve_module._proven_gap(prob, "CBC", objective, hit_time_limit=False) == solve_module.MIP_GAP
+
+
+def test_infeasible_message_is_one_line_with_the_minimum_and_what_to_do():
+    g = chain([4, 4, 4, 4], param_mib=2)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(g, 3 * MIB)
+    message = str(info.value)
+    assert "\n" not in message and "smallest feasible budget" in message and "raise budget_gb" in message
+
+
+def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monkeypatch, caplog):
+    """What HiGHS reports at its time limit with a feasible incumbent (PuLP's ``sol_status``
+    IntegerFeasible), forced deterministically on a real solve: the plan is kept, flagged,
+    replayed within budget, and its gap is the solver's."""
+    real = solve_module._run_solver
+
+    def stopped_at_limit(prob, name, time_limit_s):
+        used = real(prob, name, time_limit_s)
+        prob.sol_status = pulp.LpSolutionIntegerFeasible
+        return used
+
+    monkeypatch.setattr(solve_module, "_run_solver", stopped_at_limit)
+    g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
+    floor = minimum_peak_plan(g).predicted_peak_bytes
+    budget = (floor + simulate(g).peak_bytes) // 2
+    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+        plan = solve(g, budget)
+    assert plan.hit_time_limit and plan.segments
+    assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
+    assert plan.optimality_gap is not None and plan.optimality_gap >= 0
+    assert "stopped at the time limit" in plan.summary()
+    assert any("stopped at its time limit" in r.getMessage() for r in caplog.records)
