@@ -129,3 +129,26 @@ def test_assert_peak_memory_helper():
     assert peak > 256 * 1024 * 4
     with pytest.raises(AssertionError, match="largest saved activations: relu 1.0 MiB"):
         assert_peak_memory(model, (x,), max_gb=peak / 2**30 * 0.9)
+
+
+def test_missing_target_with_update_writes_no_baseline_and_no_junit(workdir):
+    baseline, junit = workdir / "memory.json", workdir / "result.xml"
+    result = check(str(workdir / "nowhere.py") + ":build", "--baseline", str(baseline), "--update",
+                   "--junit", str(junit))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert not baseline.exists() and not junit.exists()
+
+
+def test_baseline_plan_entries_of_the_wrong_type_are_named(workdir):
+    target = write_model(workdir, hidden=64)
+    baseline = workdir / "memory.json"
+    content = json.dumps({"format": "ckpt-planner-baseline", "version": 1, "model": "netdef:build",
+                          "unoptimized_peak_bytes": 1, "activation_bytes_by_node": {"relu": "big"}, "plans": []})
+    baseline.write_text(content)
+    result = check(target, "--baseline", str(baseline))
+    assert result.returncode == 2 and "should map node names to byte counts" in result.stderr
+    content = content.replace('{"relu": "big"}', "{}").replace('"plans": []', '"plans": [{"budget_bytes": "1 GB"}]')
+    baseline.write_text(content)
+    result = check(target, "--baseline", str(baseline))
+    assert result.returncode == 2 and "plan 0 needs an integer 'budget_bytes'" in result.stderr
+    assert baseline.read_text() == content

@@ -153,3 +153,13 @@ def test_console_script_is_installed():
         pytest.fail("the ckpt-planner console script is not installed; pip install -e . declares it")
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "report" in result.stdout and "plan" in result.stdout
+
+
+@pytest.mark.parametrize("budget, message", [("6000", "looks like the wrong unit"), ("-1", "positive finite"),
+                                             ("nan", "positive finite")])
+def test_bad_budget_is_exit_2_and_writes_nothing(saved, budget, message):
+    root, _, _ = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", budget, "--plot", "bad_budget.png", cwd=root)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (root / "bad_budget.png").exists()
