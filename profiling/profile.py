@@ -43,7 +43,7 @@ from profiling.measure import (
 from profiling.roofline import estimate_ms
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
-from profiling.temporaries import measure_node_peaks
+from profiling.temporaries import FakeAllocationTracker, measure_node_peaks
 from profiling.trace import RUN_ONCE_OPS
 
 __all__ = ["profile_graph", "flat_graph_inputs"]
@@ -183,9 +183,10 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, timing_repeats: int,
                  device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 progress: NodeProgress | None = None) -> None:
+                 progress: NodeProgress | None = None, tracker: FakeAllocationTracker | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.progress = progress
+        self.tracker = tracker
         self.to_fake = to_fake
         self.timing_repeats = timing_repeats
         self.time = _timer(device)
@@ -215,6 +216,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 
         before = [(t, t._version) for a in n.all_input_nodes for t in _tensors(self.env.get(a))]
         buffers_before = [(t, t.clone()) for t, _ in before if id(t) in self.buffer_ids]
+        if self.tracker is not None:
+            self.tracker.node_started(n.name)
         try:
             times = [self.time(run_once)]
         except Exception as exc:
@@ -223,6 +226,8 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                 f"node {n.name!r} ({n.op} {n.target}) failed while profiling: {type(exc).__name__}: {exc} "
                 f"{where[0].strip()}"
             ) from exc
+        if self.tracker is not None:
+            self.tracker.node_finished(n.name)
         flops = int(counter.get_total_flops())
         mutating = (
             _is_mutating(n)
@@ -268,8 +273,9 @@ def profile_graph(
     allocator and stored as ``measured_peak_bytes``.
 
     With ``fake=True`` nothing is allocated or run for real: the graph runs on fake tensors
-    (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine,
-    without op-internal temporaries), times from a FLOP and bytes roofline for ``target``
+    (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine;
+    temporaries are estimated from the tensors each aten op creates, see
+    :class:`profiling.temporaries.FakeAllocationTracker`), times from a FLOP and bytes roofline for ``target``
     (see :mod:`profiling.roofline`), and nothing is measured. Tensors on the meta device (a
     model built under ``torch.device("meta")``) work in fake mode: nothing is ever allocated.
 
@@ -290,8 +296,10 @@ def profile_graph(
 
     node_count = len(gm.graph.nodes)
     bar = NodeProgress(node_count, f"profiling {node_count} nodes{' (fake)' if fake else ''}", bar=progress)
-    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake, bar)
-    with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+    tracker = FakeAllocationTracker() if fake else None
+    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake, bar, tracker)
+    with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()), \
+            (tracker if tracker is not None else contextlib.nullcontext()):
         try:
             flat_out = interp.run(*flat, enable_io_processing=False)
         finally:
@@ -303,9 +311,8 @@ def profile_graph(
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
         del loss, output, flat_out
-    if fake:
-        forward_peaks: dict[str, int] = {}
-        backward_peaks: dict[str, int] = {}
+    if tracker is not None:
+        forward_peaks, backward_peaks = tracker.forward_peaks(), tracker.backward_peaks()
         _roofline_times(gm, interp, target)
         step_times: list[float] = []
     else:

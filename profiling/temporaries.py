@@ -9,6 +9,9 @@ backward window spans the autograd functions whose sequence numbers its forward 
 For each window the result is the highest running allocation total reached inside it, minus
 the total at its start.
 
+Under fake tensors nothing is allocated, so :class:`FakeAllocationTracker` estimates the same
+two numbers from the sizes of the tensors each aten op creates and when they are collected.
+
 Example:
     >>> import torch
     >>> from profiling.trace import trace_module
@@ -23,14 +26,17 @@ Example:
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiling.measure import StepInputs, loss_of, preserved_state, unflatten_output
 
-__all__ = ["measure_node_peaks"]
+__all__ = ["measure_node_peaks", "FakeAllocationTracker"]
 
 _PREFIX = "fxnode::"
 _BACKWARD = "autograd::engine::evaluate_function:"
@@ -104,3 +110,110 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[di
             windows[name] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
     backward = {name: peak_in(lo, hi) for name, (lo, hi) in windows.items()}
     return forward, backward
+
+
+class FakeAllocationTracker(TorchDispatchMode):
+    """Counts the bytes fake tensors would allocate, to estimate temporaries without running.
+
+    Pushed above a ``FakeTensorMode``, it sees every aten op (composite ops already decomposed,
+    so intermediates such as ``cross_entropy_loss``'s ``log_softmax`` are visible), adds the
+    bytes of each new output storage to a running total, and subtracts them when the last
+    tensor on that storage is garbage collected. Forward windows are marked by the profiler
+    (:meth:`node_started`/:meth:`node_finished`, which also record the autograd sequence
+    numbers a node creates); backward windows come from the autograd node running each op.
+    Scratch memory inside a single kernel (no aten op of its own) stays invisible.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> with FakeTensorMode() as mode:
+        ...     x = mode.from_tensor(torch.randn(4, 8))
+        ...     with FakeAllocationTracker() as tracker:
+        ...         tracker.node_started("soft")
+        ...         y = torch.nn.functional.log_softmax(x.exp() + 1, dim=1)
+        ...         tracker.node_finished("soft")
+        >>> tracker.forward_peaks()["soft"] >= 2 * 4 * 8 * 4
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.running: list[int] = []  # running total after each allocation or free, in order
+        self._holders: dict[int, int] = {}  # storage key -> tracked tensors alive on it
+        self._size: dict[int, int] = {}
+        self._forward: dict[str, tuple[int, int]] = {}  # node -> (first, end) index into running
+        self._sequence_start: dict[str, int] = {}
+        self._sequences: list[tuple[int, int, str]] = []  # [start, end) sequence numbers per node
+        self._backward: dict[int, tuple[int, int]] = {}  # autograd sequence number -> (first, end)
+        self._open: tuple[str, int] | None = None
+
+    def node_started(self, name: str) -> None:
+        """Open ``name``'s forward window."""
+        self._open = (name, len(self.running))
+        self._sequence_start[name] = int(torch._C._autograd._get_sequence_nr())
+
+    def node_finished(self, name: str) -> None:
+        """Close ``name``'s forward window."""
+        if self._open is not None and self._open[0] == name:
+            self._forward[name] = (self._open[1], len(self.running))
+        self._open = None
+        start = self._sequence_start.pop(name, None)
+        end = int(torch._C._autograd._get_sequence_nr())
+        if start is not None and end > start:
+            self._sequences.append((start, end, name))
+
+    def _release(self, key: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] <= 0:
+            del self._holders[key]
+            self.live_bytes -= self._size.pop(key)
+            self.running.append(self.live_bytes)
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._holders:
+            self._holders[key] = 0
+            self._size[key] = int(storage.nbytes())
+            self.live_bytes += self._size[key]
+            self.running.append(self.live_bytes)
+        self._holders[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        node = torch._C._current_autograd_node()
+        first = len(self.running)
+        known = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in known:
+                self._track(t)
+        if node is not None:
+            seq = int(node._sequence_nr())
+            lo, hi = self._backward.get(seq, (first, len(self.running)))
+            self._backward[seq] = (min(lo, first), max(hi, len(self.running)))
+        return out
+
+    def _peak(self, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return 0
+        before = self.running[lo - 1] if lo > 0 else 0
+        return max(0, max(self.running[lo:hi]) - before)
+
+    def forward_peaks(self) -> dict[str, int]:
+        """Per node: bytes its forward allocated at its high point, above the total at its start."""
+        return {name: self._peak(lo, hi) for name, (lo, hi) in self._forward.items()}
+
+    def backward_peaks(self) -> dict[str, int]:
+        """Per node: the same for the autograd functions its forward created."""
+        starts = sorted(self._sequences)
+        keys = [s for s, _, _ in starts]
+        windows: dict[str, tuple[int, int]] = {}
+        for seq, (lo, hi) in self._backward.items():
+            i = bisect.bisect_right(keys, seq) - 1
+            if i < 0 or seq >= starts[i][1]:
+                continue
+            name = starts[i][2]
+            a, b = windows.get(name, (lo, hi))
+            windows[name] = (min(a, lo), max(b, hi))
+        return {name: self._peak(lo, hi) for name, (lo, hi) in windows.items()}
