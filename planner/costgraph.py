@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
-__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads"]
+__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads",
+           "protect_reads_before_writes"]
 
 #: ``compute`` nodes run an op; the others hold step-long tensors.
 NODE_KINDS = ("compute", "input", "param", "buffer", "constant")
@@ -250,3 +251,39 @@ def hold_parameter_grads(graph: CostGraph) -> CostGraph:
     nodes = tuple(replace(n, output_bytes=0) if n.kind == "param" and n.requires_grad else n for n in graph.nodes)
     return replace(graph, nodes=nodes, storages=storages, measured_peak_bytes=None,
                    metadata={**graph.metadata, "grads_held": True})
+
+
+def protect_reads_before_writes(graph: CostGraph) -> CostGraph:
+    """Mark as not recomputable every node that reads a storage an in-place op writes later in
+    the forward: its recompute (in backward, after the write) would read the new values, and
+    non-reentrant checkpoint refuses an input whose version changed. In-place writers are the
+    non-recomputable compute nodes whose outputs alias their inputs (``add_``, ``mul_``, ...).
+
+    Example:
+        >>> g = CostGraph((CostNode("a", "placeholder", kind="input", output_storages=(0,)),
+        ...                CostNode("t", "tanh", input_names=("a",), output_storages=(1,)),
+        ...                CostNode("m", "mul_", input_names=("a",), output_storages=(0,),
+        ...                         is_alias=True, recomputable=False)),
+        ...               (Storage(0, 8, True), Storage(1, 8)))
+        >>> protect_reads_before_writes(g).node("t").recomputable
+        False
+    """
+    storages_of = {n.name: set(n.output_storages) for n in graph.nodes}
+    last_write: dict[int, int] = {}
+    for i, n in enumerate(graph.nodes):
+        if n.kind == "compute" and not n.recomputable and n.is_alias:
+            read = {k for name in n.input_names for k in storages_of[name]}
+            for k in set(n.output_storages) & read:
+                last_write[k] = i
+    if not last_write:
+        return graph
+    nodes = list(graph.nodes)
+    changed = False
+    for i, n in enumerate(nodes):
+        if n.kind != "compute" or not n.recomputable:
+            continue
+        read = {k for name in n.input_names for k in storages_of[name]} | set(n.output_storages)
+        if any(last_write.get(k, -1) > i for k in read):
+            nodes[i] = replace(n, recomputable=False)
+            changed = True
+    return replace(graph, nodes=tuple(nodes)) if changed else graph

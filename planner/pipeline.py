@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from planner.errors import InfeasibleBudgetError, InputError, PlannerError
-from planner.costgraph import CostGraph, hold_parameter_grads, shard_parameters
+from planner.costgraph import CostGraph, hold_parameter_grads, protect_reads_before_writes, shard_parameters
 from planner.plan import GIB, Plan
 from planner.solve import solve
 
@@ -91,6 +91,7 @@ def plan_for_budget(
         raise PlannerError(str(exc)) from None
     if grads_held:
         graph = hold_parameter_grads(graph)
+    graph = protect_reads_before_writes(graph)
     try:
         plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                      selective=selective)

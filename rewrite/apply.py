@@ -400,9 +400,15 @@ def _refuse_sharded_submodules(module: torch.nn.Module) -> None:
         )
 
 
+@torch.compiler.disable
 def _checkpointed(segment: CheckpointedSegment, *args: Any) -> Any:
     """Run ``segment`` under non-reentrant checkpoint with the RNG state preserved; a plain
-    call when autograd is off (inference pays no recompute)."""
+    call when autograd is off (inference pays no recompute).
+
+    Under ``torch.compile`` each segment runs eagerly (a graph break): compiled, the partitioner
+    saved more than the plan (measured: 3.10 MB against the eager plan's 2.45 MB on a small MLP)
+    and compiled random ops do not replay eager RNG state. The code between segments compiles.
+    """
     if not torch.is_grad_enabled():
         return segment(*args)
     if segment.kept_nodes:
