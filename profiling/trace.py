@@ -11,6 +11,8 @@ two nodes: ``update_running_stats`` (the running-statistics update, the same ker
 gradients, bit for bit); ``num_batches_tracked += 1`` becomes ``increment_buffer``. The two
 update ops skip themselves when a checkpoint recomputes them inside backward, so a whole
 conv-BatchNorm-ReLU block can be recomputed while its buffers change exactly once per step.
+In-place ops on activations that nothing else observes (``x += residual``) become out-of-place,
+so the ops before them can be recomputed too.
 
 When capture fails, :class:`planner.errors.TraceError` names the submodule (its qualified name
 and class), the source line, and what to change.
@@ -37,8 +39,8 @@ import torch.fx
 from planner.errors import TraceError
 from profiling.measure import StepInputs
 
-__all__ = ["trace_module", "split_batch_norm_updates", "update_running_stats", "increment_buffer", "RUN_ONCE_OPS",
-           "TRACE_METHODS"]
+__all__ = ["trace_module", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
+           "increment_buffer", "RUN_ONCE_OPS", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,82 @@ def split_batch_norm_updates(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+def _fresh_output(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose (single) output is new memory, not a view or input."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is None and not target._schema.is_mutable
+
+
+def _makes_view(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may return an alias of an input (unknown targets count as views)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return node.op != "output"
+    return any(r.alias_info is not None for r in target._schema.returns)
+
+
+def functionalize_inplace_activations(gm: torch.fx.GraphModule) -> int:
+    """Replace in-place ops on activations (``x += residual``, ``relu_``) by their out-of-place
+    form when nothing else sees the mutation: ``x`` is fresh memory made by an earlier op, no
+    view of it exists, and every later reader of ``x`` is pointed at the new value.
+
+    An in-place write makes the ops before it unsafe to recompute (they would read the new
+    values); the out-of-place form computes the same values, bit for bit, at the cost of one
+    more tensor while both are live. Writes to parameters, buffers and inputs are kept.
+    Returns how many ops were replaced; ``gm`` is changed in place and recompiled.
+
+    Example:
+        >>> class Residual(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         y = torch.tanh(x)
+        ...         y += x
+        ...         return torch.relu(y)
+        >>> gm = torch.export.export(Residual(), (torch.randn(2, 3),), strict=False).module()
+        >>> functionalize_inplace_activations(gm)
+        1
+        >>> [n.target for n in gm.graph.nodes if n.op == "call_function"][-2:]
+        [<OpOverload(op='aten.add', overload='Tensor')>, <OpOverload(op='aten.relu', overload='default')>]
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    count = 0
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+            continue
+        schema = target._schema
+        name = target.__name__  # e.g. "add_.Tensor"
+        packet, _, overload = name.partition(".")
+        if not (schema.is_mutable and packet.endswith("_") and not packet.startswith("_")):
+            continue
+        written = node.args[0]
+        if not isinstance(written, torch.fx.Node) or not _fresh_output(written):
+            continue
+        functional_packet = getattr(torch.ops.aten, packet[:-1], None)
+        functional = getattr(functional_packet, overload or "default", None) if functional_packet else None
+        if functional is None or functional._schema.is_mutable:
+            continue
+        others = [u for u in written.users if u is not node]
+        if any(_makes_view(u) for u in others):
+            continue  # a view of the written tensor would see the write
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.call_function(functional, node.args, node.kwargs)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        for user in others:
+            if order[user] > order[node]:
+                user.replace_input_with(written, replacement)
+        order[replacement] = order[node]
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def _frames(exc: BaseException) -> list[tuple[str, int, str, Any]]:
     """(file, line, function, ``self`` or None) for every traceback frame, outermost first,
     following ``__cause__``/``__context__`` into the exception that started it."""
@@ -217,7 +295,7 @@ def _hint(exc: BaseException, method: str, source: str = "") -> str:
 
 
 def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "export", *,
-                 recomputable_batch_norm: bool = True) -> torch.fx.GraphModule:
+                 recomputable_batch_norm: bool = True, functionalize: bool = True) -> torch.fx.GraphModule:
     """Capture ``model`` called on ``example_inputs`` as a GraphModule.
 
     Args:
@@ -227,6 +305,9 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         recomputable_batch_norm: split training ``batch_norm`` into a running-statistics update
             (run once) and a pure, recomputable normalisation (see
             :func:`split_batch_norm_updates`).
+        functionalize: make in-place ops on activations out-of-place where nothing else sees
+            the write (see :func:`functionalize_inplace_activations`), so the ops before them
+            stay recomputable.
 
     Raises:
         TraceError: capture failed; the message names the submodule, the source line and a hint.
@@ -262,8 +343,10 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         ) from exc
     _share_parameters(model, gm)
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
-    log.info("captured %s with %s: %d nodes%s", name, method, len(gm.graph.nodes),
-             f" ({split} batch_norm running-stat updates split out)" if split else "")
+    functional = functionalize_inplace_activations(gm) if functionalize and method == "export" else 0
+    log.info("captured %s with %s: %d nodes%s%s", name, method, len(gm.graph.nodes),
+             f", {split} batch_norm running-stat updates split out" if split else "",
+             f", {functional} in-place ops on activations made out-of-place" if functional else "")
     return gm
 
 
