@@ -28,6 +28,7 @@ from planner.errors import PlannerError
 
 __all__ = [
     "StepInputs",
+    "allocation_events",
     "loss_of",
     "run_step",
     "unflatten_output",
@@ -166,8 +167,18 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
         return baseline + _running_peak_bytes(prof)
 
 
-def _running_peak_bytes(prof: torch.profiler.profile) -> int:
-    """Highest running sum of allocation (+) and free (-) events, in time order."""
+def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every CPU allocation (+) and free (-) a memory profile recorded, in
+    time order. Their sum is the net growth over the profiled window; the highest running sum
+    is its peak above what was allocated before.
+
+    Example:
+        >>> with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+        ...                             profile_memory=True) as prof:
+        ...     x = torch.ones(1024)
+        >>> sum(delta for _, delta in allocation_events(prof))
+        4096
+    """
     events: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -176,8 +187,13 @@ def _running_peak_bytes(prof: torch.profiler.profile) -> int:
             events.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
         stack.extend(node.children)
     events.sort(key=lambda e: e[0])
+    return events
+
+
+def _running_peak_bytes(prof: torch.profiler.profile) -> int:
+    """Highest running sum of allocation (+) and free (-) events, in time order."""
     running = peak = 0
-    for _, delta in events:
+    for _, delta in allocation_events(prof):
         running += delta
         peak = max(peak, running)
     return peak
