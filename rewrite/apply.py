@@ -307,12 +307,13 @@ class CheckpointedModule(torch.nn.Module):
         """The plan used for inputs like ``args``/``kwargs`` in the current autocast state and
         with the parameters' current ``.grad``; plans them (profiling one step) if needed.
 
-        Call it before wrapping with DDP or FSDP for each batch shape you will train on.
+        Call it before wrapping with DDP or FSDP for each batch shape you will train on: unlike a
+        forward, it profiles new shapes under ``torch.distributed`` too.
         """
-        return self._variant(StepInputs(args, kwargs)).plan
+        return self._variant(StepInputs(args, kwargs), explicit=True).plan
 
     @torch.compiler.disable
-    def _variant(self, inputs: StepInputs) -> PlannedVariant:
+    def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
         _refuse_sharded_submodules(self)
         key = self._key(inputs)
         if self._planned_key is None:  # built without example inputs: the first call is the planned one
@@ -333,7 +334,7 @@ class CheckpointedModule(torch.nn.Module):
                 return self._variants[planned]
             raise PlannerError(f"this module was planned for other inputs ({reason}) and cannot re-plan; "
                                f"call optimize() with these inputs")
-        if profile is None and _distributed_world_size() > 1:
+        if profile is None and not explicit and _distributed_world_size() > 1:
             raise PlannerError(
                 f"inputs not planned yet ({reason}) under torch.distributed: profiling them would run a "
                 f"backward through DDP/FSDP hooks on one rank. Plan every batch shape before wrapping the "
