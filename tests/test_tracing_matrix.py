@@ -292,3 +292,14 @@ def test_trace_error_for_a_returned_cache_says_use_cache_false():
     ids = torch.randint(0, 64, (2, 8))
     with pytest.raises(TraceError, match="use_cache=False"):
         trace_module(GPT2LMHeadModel(config), {"input_ids": ids})
+
+
+def test_profiling_and_solving_report_progress(tmp_path, caplog):
+    import logging
+
+    model, example = FAST["kwargs_dict"]()
+    with caplog.at_level(logging.INFO, logger="profiling.progress"):
+        optimize(model, example, budget_gb=64.0, cache_dir=str(tmp_path), **SOLVE)
+    messages = [r.getMessage() for r in caplog.records if r.name == "profiling.progress"]
+    assert any(m.startswith("profiling: timing") for m in messages)
+    assert any(m.startswith("solving for") and "done in" in m for m in messages)
