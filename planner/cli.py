@@ -1,6 +1,7 @@
 """The ``ckpt-planner`` command.
 
     ckpt-planner report PATH --budget-gb 6 [--sweep] [--format text|json|csv|markdown] [--plot out.png]
+                        [--target h100]
     ckpt-planner check TARGET --baseline memory.json [--tolerance 5%] [--budget-gb 6] [--update]
     ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
 
@@ -78,6 +79,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             "recompute_ms": plan.recompute_ms,
             "recompute_flops": plan.recompute_flops,
             "step_ms": plan.step_ms,
+            "optimality_gap": plan.optimality_gap,
+            "hit_time_limit": plan.hit_time_limit,
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))
     else:
@@ -168,7 +171,11 @@ def _report_command(args: argparse.Namespace) -> int:
     if args.plot and not str(args.plot).lower().endswith(".png"):
         raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
     name, module, inputs = _load_target(args, allow_entry_point=False)
-    graph = profile_graph(_captured(module, inputs), inputs)
+    if args.target_device:
+        # fake tensors: nothing allocated, times from the target's roofline
+        graph = profile_graph(_captured(module, inputs), inputs, fake=True, target=args.target_device)
+    else:
+        graph = profile_graph(_captured(module, inputs), inputs)
     plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages)
     plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
     report = build_report(graph, plan, model_name=name, sweep_plans=plans)
@@ -203,6 +210,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="also plan N budgets (default 8) from the minimum to the unoptimized peak")
     report.add_argument("--format", choices=("text", "json", "csv", "markdown"), default="text")
     report.add_argument("--plot", metavar="FILE.png", help="draw memory over the step (and the Pareto front)")
+    report.add_argument("--target", dest="target_device", metavar="DEVICE",
+                        help="plan for another device without running there: profile on fake tensors (bytes "
+                             "from shapes, nothing allocated) and time ops with DEVICE's roofline "
+                             "(cpu, l4, a100, a100-80gb, h100, h200)")
     _add_input_options(report)
     report.set_defaults(func=_report_command)
 

@@ -92,6 +92,8 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "overhead_ratio": plan.overhead_ratio,
         "segment_count": len(plan.segments),
         "recomputed_nodes": len(plan.recomputed_nodes),
+        "optimality_gap": plan.optimality_gap,
+        "hit_time_limit": plan.hit_time_limit,
     }
 
 

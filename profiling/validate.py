@@ -66,8 +66,8 @@ def check_model_and_inputs(model: Any, example_inputs: Any) -> None:
             if tensor.is_meta:
                 raise InputError(
                     f"{kind} {name!r} is on the meta device: materialise the model first "
-                    "(model.to_empty(device='cpu') and load its weights), or plan without running it with "
-                    "profile_graph(..., fake=True) / `ckpt-planner report --fake`"
+                    "(model.to_empty(device='cpu') and load its weights), or plan without running it on fake tensors: "
+                    "profile_graph(..., fake=True, target='h100') or `ckpt-planner report --target h100`"
                 )
     tensors = input_tensors(example_inputs)
     for tensor in tensors:

@@ -163,3 +163,20 @@ def test_bad_budget_is_exit_2_and_writes_nothing(saved, budget, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (root / "bad_budget.png").exists()
+
+
+def test_target_device_plans_on_fake_tensors_with_the_same_bytes_as_the_python_api(saved):
+    root, model, x = saved
+    result = cli("report", str(root / "gpt2"), "--budget-gb", "0.01", "--batch-size", "2", "--seq-len", "32",
+                 "--target", "h100", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    from profiling.load import load_model
+
+    loaded = load_model(str(root / "gpt2"), batch_size=2, seq_len=32)
+    graph = profile_graph(trace_module(loaded.module, loaded.inputs), loaded.inputs, fake=True, target="h100")
+    assert data["unoptimized"]["predicted_peak_bytes"] == simulate(graph).peak_bytes
+    assert data["unoptimized"]["measured_peak_bytes"] is None, "nothing is run for real with --target"
+    assert data["plan"]["predicted_peak_bytes"] <= data["plan"]["budget_bytes"]
+    bad = cli("report", str(root / "gpt2"), "--budget-gb", "1", "--target", "tpu9")
+    assert bad.returncode == 2 and "unknown target device 'tpu9'" in bad.stderr

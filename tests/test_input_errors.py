@@ -79,7 +79,7 @@ def test_meta_device_model_says_how_to_materialise_or_plan_fake():
         model = torch.nn.Linear(16, 16)
     with pytest.raises(InputError) as info:
         optimize(model, (torch.randn(4, 16),), budget_gb=1.0)
-    assert_one_line(info.value, "'weight' is on the meta device", "to_empty", "fake=True")
+    assert_one_line(info.value, "'weight' is on the meta device", "to_empty", "fake=True", "--target h100")
 
 
 def test_meta_inputs_are_refused():
