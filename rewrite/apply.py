@@ -334,6 +334,11 @@ class CheckpointedModule(torch.nn.Module):
                 return self._variants[planned]
             raise PlannerError(f"this module was planned for other inputs ({reason}) and cannot re-plan; "
                                f"call optimize() with these inputs")
+        if profile is None and torch._C._autograd._profiler_enabled():
+            raise PlannerError(
+                f"inputs not planned yet ({reason}) while torch.profiler is recording: planning them profiles "
+                f"a step with the profiler, which would end your session. Plan them first: opt.plan_for(*batch)"
+            )
         if profile is None and not explicit and _distributed_world_size() > 1:
             raise PlannerError(
                 f"inputs not planned yet ({reason}) under torch.distributed: profiling them would run a "

@@ -29,6 +29,9 @@ from rewrite.apply import CheckpointedModule, apply_plan
 # --------------------------------------------------------------------------------------------
 # helpers
 
+#: Planning options that keep these tests quick (also used by every re-plan of the module).
+FAST = {"timing_repeats": 1, "max_stages": 12}
+
 
 def grads_of(module, owner, inputs, seed: int, *, backward: bool = True):
     """Loss, gradients (by parameter name) and the RNG state after one step from ``seed``."""
@@ -112,7 +115,7 @@ def planned():
     """A Net planned at 65 % of its measured peak (segments recomputed), shared by several tests."""
     model, inputs = make_net()
     peak = peak_of(model, inputs)
-    opt = optimize(model, inputs, budget_gb=0.65 * peak / 2**30)
+    opt = optimize(model, inputs, budget_gb=0.65 * peak / 2**30, timing_repeats=1)
     assert opt.plan.segments
     return model, inputs, opt, peak
 
@@ -250,7 +253,7 @@ def _tiny_gpt2(batch: int, seq_len: int):
 def gpt2_planned():
     model, inputs = _tiny_gpt2(4, 32)
     peak = peak_of(model, inputs)
-    opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30)
+    opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30, **FAST)
     return model, inputs, opt
 
 
@@ -302,7 +305,9 @@ def test_other_batch_size_replans_once_with_a_log_line_and_stays_under_budget(pl
 def test_larger_batch_beyond_the_budget_is_a_clear_error(planned):
     _, _, opt, _ = planned
     with pytest.raises(InfeasibleBudgetError, match="smallest feasible budget"):
-        opt(torch.randn(4096, 64))
+        opt(torch.randn(1024, 64))
+    with pytest.raises(PlannerError, match="plan_for"), torch.profiler.profile():
+        opt(torch.randn(96, 64))  # planning profiles a step: not inside the user's profiler session
 
 
 def test_gpt2_other_sequence_length_replans_and_matches(gpt2_planned):
@@ -365,7 +370,7 @@ def test_autocast_bf16_recomputes_in_the_same_dtype_and_keeps_the_saving():
     model, inputs = make_net(batch=1024)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         peak = peak_of(model, inputs)
-        opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30)
+        opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30, **FAST)
         assert opt.plan.segments
         assert opt(*inputs).dtype == torch.bfloat16
         assert_same_step(model, opt, inputs, seed=7)
@@ -394,7 +399,7 @@ def test_gradient_accumulation_matches_and_stays_under_budget():
     model = Net(width=64, blocks=4).train()
     micro = [(torch.randn(256, 64),) for _ in range(3)]
     peak = peak_of(_Accumulate(model, micro[:-1]), micro[-1])
-    opt = optimize(model, micro[0], budget_gb=0.7 * peak / 2**30)
+    opt = optimize(model, micro[0], budget_gb=0.7 * peak / 2**30, **FAST)
     grads = []
     for module in (model, opt):
         model.zero_grad(set_to_none=True)
@@ -474,7 +479,7 @@ def test_torch_compile_runs_with_the_same_randomness_and_no_higher_peak():
 
     torch._dynamo.reset()
     model, inputs = make_net(batch=512, blocks=2)
-    opt = optimize(model, inputs, budget_gb=0.7 * peak_of(model, inputs) / 2**30)
+    opt = optimize(model, inputs, budget_gb=0.7 * peak_of(model, inputs) / 2**30, **FAST)
     assert opt.plan.segments
     with inductor_config.patch(fallback_random=True):  # eager RNG: comparable dropout masks
         compiled = torch.compile(opt)
