@@ -43,6 +43,7 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
+from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
 
@@ -507,8 +508,10 @@ def minimum_peak_plan(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     selective: bool = False,
+    refine_s: float = 2.0,
 ) -> Plan:
-    """The plan with the smallest peak the ILP finds, whatever it costs.
+    """The plan with the smallest peak found, whatever it costs: the ILP's, lowered further by
+    local moves judged by the simulator (:func:`planner.refine.lower_peak`, up to ``refine_s``).
 
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
     """
@@ -521,6 +524,12 @@ def minimum_peak_plan(
     if result is None:  # pragma: no cover - minimising the peak is always feasible
         raise SolverError("the minimum-peak model was reported infeasible")
     segments = _segments(model, result.chosen)
+    if refine_s > 0:
+        starts = [segments]
+        if len(graph.compute_nodes) < ALL_CUTS_BELOW:  # small: also descend from no and from full recompute
+            starts += [[], _every_recomputable_run(graph)]
+        lowered = [lower_peak(graph, start, time_limit_s=refine_s / len(starts)) for start in starts]
+        segments = min(lowered, key=lambda segs: (simulate(graph, segs).peak_bytes, sum(s.recompute_ms for s in segs)))
     peak = simulate(graph, segments).peak_bytes
     if peak > unoptimized:
         segments, peak = [], unoptimized
@@ -536,8 +545,12 @@ def solve(
     time_limit_s: float = 60.0,
     max_attempts: int = 8,
     selective: bool = False,
+    refine_s: float = 2.0,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
+
+    The ILP's plan is then improved by local moves judged by the simulator for up to
+    ``refine_s`` seconds (:mod:`planner.refine`); ``refine_s=0`` returns the ILP's plan.
 
     With ``selective``, a segment may also run under a selective policy that keeps its matmul
     outputs and recomputes only the rest. It cuts recomputed FLOPs, but on CPU the policy's
@@ -569,14 +582,40 @@ def solve(
         if other is not None and (plan is None or other.recompute_ms < plan.recompute_ms):
             plan = other
     if plan is not None:
-        return dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
+        plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
+        return _refined(graph, plan, budget_bytes, refine_s, started)
     fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                 selective=selective)
+                                 selective=selective, refine_s=refine_s)
     if fallback.predicted_peak_bytes <= budget_bytes:
         # the fallback minimised the peak, so no gap on the recompute cost is known
-        return dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None,
-                                   solve_s=time.perf_counter() - started)
+        plan = dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None)
+        return _refined(graph, plan, budget_bytes, refine_s, started)
     raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
+
+
+def _every_recomputable_run(graph: CostGraph) -> list[Segment]:
+    """One segment per maximal run of recomputable compute nodes."""
+    runs: list[list[Any]] = [[]]
+    for node in graph.compute_nodes:
+        if node.recomputable:
+            runs[-1].append(node)
+        elif runs[-1]:
+            runs.append([])
+    return [Segment(tuple(n.name for n in run), sum(n.time_ms for n in run), sum(n.flops for n in run))
+            for run in runs if run]
+
+
+def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
+    """``plan`` improved by :func:`planner.refine.refine_segments` when that saves recompute time.
+    The ILP's gap no longer bounds a changed plan, so it is then reported as unknown."""
+    if refine_s > 0 and plan.segments:
+        segments = refine_segments(graph, plan.segments, budget_bytes, time_limit_s=refine_s)
+        cost = sum(s.recompute_ms for s in segments)
+        if cost < plan.recompute_ms - 1e-9:
+            peak = simulate(graph, segments).peak_bytes
+            plan = dataclasses.replace(plan, segments=tuple(segments), predicted_peak_bytes=peak,
+                                       optimality_gap=None, solver=f"{plan.solver} + refine")
+    return dataclasses.replace(plan, solve_s=time.perf_counter() - started)
 
 
 def _tightened(

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -41,7 +42,9 @@ def sweep(
     """One plan per budget, smallest budget first; infeasible budgets are skipped.
 
     Without ``budgets_bytes``, ``points`` budgets are spread evenly from the smallest feasible
-    peak to the unoptimized peak.
+    peak to the unoptimized peak. Costs never rise with the budget: when a budget's own plan
+    costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
+    used for it.
     """
     if budgets_bytes is None:
         if points < 2:
@@ -50,10 +53,13 @@ def sweep(
                                 time_limit_s=time_limit_s).predicted_peak_bytes
         high = simulate(graph).peak_bytes
         budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
-    plans = []
+    plans: list[Plan] = []
     for n, budget in enumerate(sorted(budgets_bytes), start=1):
         try:
-            plans.append(solve(graph, int(budget), max_stages=max_stages, solver=solver, time_limit_s=time_limit_s))
+            plan = solve(graph, int(budget), max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+            if plans and plans[-1].recompute_ms < plan.recompute_ms:
+                plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))
+            plans.append(plan)
         except InfeasibleBudgetError:
             log.info("budget %d bytes is infeasible; skipped", budget)
         log.info("sweep: %d/%d budgets solved", n, len(budgets_bytes))

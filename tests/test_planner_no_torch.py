@@ -171,7 +171,7 @@ def test_each_installed_solver_gives_a_plan_within_budget(solver):
     floor = minimum_peak_plan(g, solver=solver).predicted_peak_bytes
     budget = max(budget, floor)
     plan = solve(g, budget, solver=solver)
-    assert plan.solver == solver or plan.segments == ()
+    assert plan.solver.split(" + ")[0] == solver or plan.segments == ()
     assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
 
 

@@ -81,7 +81,7 @@ def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(
     budget = int(simulate(g).peak_bytes * 0.8)
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
         plan = solve(g, budget, solver="HiGHS")
-    assert plan.solver == "CBC" and plan.segments
+    assert plan.solver.startswith("CBC") and plan.segments
     assert any("HiGHS is not installed (pip install highspy); using CBC" in r.getMessage() for r in caplog.records)
 
 
@@ -107,7 +107,7 @@ def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
     budget = int(simulate(g).peak_bytes * 0.8)
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
         plan = solve(g, budget, solver="HiGHS")
-    assert plan.solver == "CBC" and plan.predicted_peak_bytes <= budget
+    assert plan.solver.startswith("CBC") and plan.predicted_peak_bytes <= budget
     assert any("HiGHS failed to run" in r.getMessage() for r in caplog.records)
 
 
@@ -132,7 +132,7 @@ def test_time_limit_gives_a_plan_within_budget_with_its_gap_or_a_clear_error():
 def test_optimal_plans_report_their_proven_gap():
     g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
     floor = minimum_peak_plan(g).predicted_peak_bytes
-    plan = solve(g, (floor + simulate(g).peak_bytes) // 2)
+    plan = solve(g, (floor + simulate(g).peak_bytes) // 2, refine_s=0)  # the ILP's own plan
     assert plan.segments and not plan.hit_time_limit
     assert plan.optimality_gap is not None and 0.0 <= plan.optimality_gap <= solve_module.MIP_GAP + 1e-9
     assert f"gap {plan.optimality_gap:.1%}" in plan.summary()
@@ -174,9 +174,87 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = (floor + simulate(g).peak_bytes) // 2
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
-        plan = solve(g, budget)
+        plan = solve(g, budget, refine_s=0)
     assert plan.hit_time_limit and plan.segments
     assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
     assert plan.optimality_gap is not None and plan.optimality_gap >= 0
     assert "stopped at the time limit" in plan.summary()
     assert any("stopped at its time limit" in r.getMessage() for r in caplog.records)
+
+
+def _all_run_sets(n: int):
+    """Every set of disjoint runs of consecutive positions in 0..n-1."""
+    if n == 0:
+        yield []
+        return
+
+    def from_position(i: int):
+        if i >= n:
+            yield []
+            return
+        yield from from_position(i + 1)
+        for j in range(i, n):
+            for rest in from_position(j + 1):
+                yield [(i, j), *rest]
+
+    yield from from_position(0)
+
+
+def _brute_force(g, budget):
+    """Least recompute time over every plan that fits, and the smallest peak of any plan."""
+    compute = list(g.compute_nodes)
+    best_cost, min_peak = None, None
+    for runs in _all_run_sets(len(compute)):
+        segments = [[n.name for n in compute[a : b + 1]] for a, b in runs]
+        peak = simulate(g, segments).peak_bytes
+        min_peak = peak if min_peak is None else min(min_peak, peak)
+        if peak <= budget:
+            cost = sum(n.time_ms for a, b in runs for n in compute[a : b + 1])
+            best_cost = cost if best_cost is None else min(best_cost, cost)
+    return best_cost, min_peak
+
+
+def test_against_brute_force_on_random_dags_of_8_nodes():
+    """Every plan fits; refinement never costs more than the ILP's plan; a refused budget is
+    never claimed below the true minimum; and on most cases the cost is brute force's within
+    the 1 % gap (measured: 85 of 90 at the time of writing; the rest are local optima of the
+    search after the ILP, reported rather than hidden)."""
+    matches, cases = 0, 0
+    for seed in range(30):
+        g = random_dag(seed, 8)
+        unoptimized = simulate(g).peak_bytes
+        for fraction in (0.6, 0.75, 0.9):
+            budget = int(unoptimized * fraction)
+            best_cost, min_peak = _brute_force(g, budget)
+            cases += 1
+            try:
+                plan = solve(g, budget)
+            except InfeasibleBudgetError as exc:
+                assert exc.min_feasible_bytes >= min_peak
+                matches += best_cost is None
+                continue
+            assert best_cost is not None
+            assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
+            try:
+                assert plan.recompute_ms <= solve(g, budget, refine_s=0).recompute_ms + 1e-9
+            except InfeasibleBudgetError:
+                pass  # only the refined search found a plan that fits
+            matches += plan.recompute_ms <= best_cost * (1 + solve_module.MIP_GAP) + 1e-9
+    assert matches >= 0.9 * cases, f"{matches} of {cases} plans match brute force"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sweep_cost_never_rises_with_the_budget_and_the_roomiest_recomputes_nothing(seed):
+    from planner.sweep import sweep
+
+    g = random_dag(seed, 12)
+    unoptimized = simulate(g).peak_bytes
+    low = minimum_peak_plan(g).predicted_peak_bytes
+    budgets = [int(low + (unoptimized - low) * f) for f in (0, 0.2, 0.4, 0.6, 0.8)]
+    plans = sweep(g, [*budgets, unoptimized, int(unoptimized * 1.2)])
+    assert len(plans) == 7, "every budget at or above the smallest feasible one has a plan"
+    costs = [p.recompute_ms for p in plans]
+    assert costs == sorted(costs, reverse=True), costs
+    for plan in plans:
+        assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= plan.budget_bytes
+    assert plans[-1].budget_bytes >= unoptimized and plans[-1].segments == ()
