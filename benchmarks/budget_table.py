@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,13 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from common import MIB, step_time_ratios  # noqa: E402
 from models import gpt2, residual_mlp  # noqa: E402
 
 from planner import optimize  # noqa: E402
-from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, run_step  # noqa: E402
+from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes  # noqa: E402
 from profiling.measure import loss_of  # noqa: E402
 
-MIB = 2**20
 MODELS = {"residual_mlp": residual_mlp, "gpt2_4layer": gpt2}
 
 
@@ -50,21 +49,6 @@ def bitwise_equal(model: torch.nn.Module, opt: torch.nn.Module, inputs: StepInpu
     return torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys() and all(
         torch.equal(grads_a[n], grads_b[n]) for n in grads_a
     )
-
-
-def time_ratio(model: torch.nn.Module, opt: torch.nn.Module, inputs: StepInputs, repeats: int) -> float:
-    """Median of per-pair ratios, optimized / unoptimized, steps interleaved in one process."""
-    ratios = []
-    for _ in range(repeats):
-        times = []
-        for module in (model, opt):
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            run_step(module, inputs)
-            times.append(time.perf_counter() - t0)
-        ratios.append(times[1] / times[0])
-    model.zero_grad(set_to_none=True)
-    return statistics.median(ratios)
 
 
 def main() -> None:
@@ -103,7 +87,7 @@ def main() -> None:
                 "extra_flops": extra_flops,
                 "extra_flops_fraction": extra_flops / base_flops,
                 "planned_extra_flops": opt.plan.recompute_flops,
-                "step_time_ratio": time_ratio(model, opt, inputs, args.repeats),
+                "step_time_ratio": step_time_ratios([model, opt], inputs, args.repeats)[1],
                 "segments": len(opt.plan.segments),
                 "optimize_s": optimize_s,
                 "bitwise_equal": bitwise_equal(model, opt, inputs),

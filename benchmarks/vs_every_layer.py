@@ -1,9 +1,10 @@
 """This planner against HuggingFace's checkpoint-every-layer, at the same memory.
 
-For each model: the unoptimized step, ``gradient_checkpointing_enable()`` (every layer,
-non-reentrant), and ``optimize`` with the budget set to every-layer's measured peak. Peak at
-the allocator, extra FLOPs from FlopCounterMode, step time as a ratio to the unoptimized step
-(interleaved repeats, median, one process).
+For each model: the unoptimized step, checkpoint-every-layer (each decoder/encoder layer under
+non-reentrant ``torch.utils.checkpoint``, what HuggingFace's ``gradient_checkpointing_enable()``
+does; ``benchmarks/common.checkpoint_every_k``), and ``optimize`` with the budget set to
+every-layer's measured peak. Peak at the allocator, extra FLOPs from FlopCounterMode, step time
+as a ratio to the unoptimized step (interleaved repeats, median, one process).
 
     python benchmarks/vs_every_layer.py [--models gpt2 llama bert] [--repeats 7]
 """
@@ -11,11 +12,8 @@ the allocator, extra FLOPs from FlopCounterMode, step time as a ratio to the uno
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,29 +22,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from common import MIB, checkpoint_every_k, step_time_ratios  # noqa: E402
 from models import bert, gpt2, llama  # noqa: E402
 
 from planner import InfeasibleBudgetError, optimize  # noqa: E402
-from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, run_step  # noqa: E402
+from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes  # noqa: E402
 
-MIB = 2**20
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
-
-
-def step_times(modules: list[torch.nn.Module], owner: torch.nn.Module, inputs: StepInputs, repeats: int) -> list[float]:
-    """Median time ratio of each module's step to the first one's, interleaved."""
-    ratios: list[list[float]] = [[] for _ in modules]
-    for _ in range(repeats):
-        times = []
-        for module in modules:
-            owner.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            run_step(module, inputs)
-            times.append(time.perf_counter() - t0)
-        for i, t in enumerate(times):
-            ratios[i].append(t / times[0])
-    owner.zero_grad(set_to_none=True)
-    return [statistics.median(r) for r in ratios]
 
 
 def main() -> None:
@@ -61,9 +43,7 @@ def main() -> None:
     for name in args.models:
         model, example = MODELS[name]()
         inputs = StepInputs.from_example(example)
-        every = copy.deepcopy(model)
-        every.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        every.train()
+        every = checkpoint_every_k(model, 1)  # what gradient_checkpointing_enable() does, without the deprecated call
         base_peak = measure_step_peak_bytes(model, inputs)
         base_flops = measure_step_flops(model, inputs)
         every_peak = measure_step_peak_bytes(every, inputs)
@@ -75,10 +55,7 @@ def main() -> None:
             opt = optimize(model, example, budget_gb=exc.min_feasible_bytes / 2**30, selective=args.selective)
         opt_peak = measure_step_peak_bytes(opt, inputs)
         opt_flops = measure_step_flops(opt, inputs) - base_flops
-        every.load_state_dict(model.state_dict())
-        _, every_time, opt_time = step_times([model, every, opt], model, inputs, args.repeats)
-        _ = step_times([every], every, inputs, 1)  # keep every's grads cleared too
-        every.zero_grad(set_to_none=True)
+        _, every_time, opt_time = step_time_ratios([model, every, opt], inputs, args.repeats)
         rows.append(dict(model=name, base=base_peak, every=every_peak, opt=opt_peak, budget=opt.plan.budget_bytes,
                          every_flops=every_flops, opt_flops=opt_flops, base_flops=base_flops,
                          every_time=every_time, opt_time=opt_time))

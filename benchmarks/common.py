@@ -1,0 +1,159 @@
+"""Helpers the benchmark scripts share: interleaved step timing, checkpoint-every-k-th-layer
+baselines, moving a model and its inputs to a device.
+
+Step time is a ratio to a reference step, measured in one process with the modules' steps
+interleaved (each repeat runs every module once, in order) and reported as the median of the
+per-repeat ratios: on a shared machine single timings swing by 10 % or more. On CUDA each step
+is timed with CUDA events; on CPU with ``time.perf_counter``.
+
+Example:
+    >>> import torch
+    >>> from profiling import StepInputs
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    ...                               for _ in range(4)])
+    >>> every = checkpoint_every_k(model, 1)
+    >>> inputs = StepInputs.from_example((torch.randn(4, 8),))
+    >>> ratios = step_time_ratios([model, every], inputs, repeats=2)
+    >>> ratios[0]
+    1.0
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "examples"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from profiling import StepInputs, run_step  # noqa: E402
+
+__all__ = [
+    "MIB",
+    "GIB",
+    "ROOT",
+    "checkpoint_every_k",
+    "find_layers",
+    "step_seconds",
+    "step_time_ratios",
+    "to_device",
+]
+
+MIB = 2**20
+GIB = 2**30
+
+
+def _zero_grads(module: torch.nn.Module) -> None:
+    module.zero_grad(set_to_none=True)
+
+
+def step_seconds(module: torch.nn.Module, inputs: StepInputs, device: torch.device) -> float:
+    """Wall time of one forward plus backward (gradients cleared first, not timed)."""
+    _zero_grads(module)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        output = run_step(module, inputs)
+        end.record()
+        torch.cuda.synchronize(device)
+        del output
+        return start.elapsed_time(end) / 1000.0
+    t0 = time.perf_counter()
+    output = run_step(module, inputs)
+    elapsed_s = time.perf_counter() - t0
+    del output
+    return elapsed_s
+
+
+def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, repeats: int,
+                     device: torch.device | str = "cpu", warmup: int = 1) -> list[float]:
+    """Median over ``repeats`` of each module's step time divided by ``modules[0]``'s.
+
+    Every repeat runs each module's step once, in order (interleaved), so slow phases of a shared
+    machine hit all modules alike. ``warmup`` untimed rounds run first. Gradients are cleared
+    before each step and after the last.
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        for module in modules:
+            step_seconds(module, inputs, device)
+    ratios: list[list[float]] = [[] for _ in modules]
+    for _ in range(repeats):
+        times_s = [step_seconds(module, inputs, device) for module in modules]
+        for i, t in enumerate(times_s):
+            ratios[i].append(t / times_s[0])
+    for module in modules:
+        _zero_grads(module)
+    return [statistics.median(r) for r in ratios]
+
+
+def find_layers(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
+    """The model's repeated layers: the ``ModuleList``/``Sequential`` of two or more modules of one
+    class holding the most parameters (GPT-2's ``transformer.h``, Llama's ``model.layers``, BERT's
+    and ViT's ``encoder.layer``, the residual MLP's and CNN's ``blocks``). Returns its name too.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList(
+        ...     [torch.nn.Linear(2, 2) for _ in range(3)]))
+        >>> name, layers = find_layers(model)
+        >>> name, len(layers)
+        ('1', 3)
+    """
+    best: tuple[int, str, list[torch.nn.Module]] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params and (best is None or params > best[0]):
+            best = (params, name, children)
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no list of repeated layers to checkpoint")
+    return best[1], best[2]
+
+
+def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def checkpoint_every_k(model: torch.nn.Module, k: int) -> torch.nn.Module:
+    """A deep copy of ``model`` whose layers 0, k, 2k, ... (see :func:`find_layers`) each run under
+    ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved); ``k=1`` is checkpoint-every-layer,
+    what HuggingFace's ``gradient_checkpointing_enable()`` does. The copy's weights equal the model's.
+
+    Each chosen layer's ``forward`` is replaced on the instance, so everything that calls the layer
+    (keyword arguments included) goes through the checkpoint. Naive checkpointing runs a
+    training-mode BatchNorm inside such a layer twice per step (its running statistics are
+    updated again on recompute).
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    wrapped = copy.deepcopy(model)
+    _, layers = find_layers(wrapped)
+    for index, layer in enumerate(layers):
+        if index % k == 0:
+            layer.forward = functools.partial(_checkpointed_forward, layer.forward)  # type: ignore[method-assign]
+    return wrapped.train(model.training)
+
+
+def to_device(model: torch.nn.Module, example: Any, device: torch.device | str) -> tuple[torch.nn.Module, Any]:
+    """``model`` moved to ``device`` (in place) and a copy of ``example`` with its tensors moved."""
+    device = torch.device(device)
+    model.to(device)
+    return model, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
