@@ -78,16 +78,43 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def running_peak_bytes(fn) -> int:
+    """Bytes ``fn`` adds at its high point on this rank, from the CPU profiler's memory events
+    (``profiling.measure``'s method; on CUDA, ``max_memory_allocated`` minus the start)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    from profiling.measure import _running_peak_bytes
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return _running_peak_bytes(prof)
+
+
+def held_bytes(module: nn.Module, *tensors: torch.Tensor) -> int:
+    """This rank's bytes of parameters (local shards under FSDP), buffers and inputs."""
+    seen: dict[int, int] = {}
+    for t in (*module.parameters(), *module.buffers(), *tensors):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--mode", choices=("ddp", "fsdp", "fsdp-blocks"), default="ddp",
+                        help="fsdp: fully_shard on the optimized module; fsdp-blocks: on every block, then on it")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--budget-fraction", type=float, default=0.7,
+    parser.add_argument("--budget-fraction", type=float, default=0.8,
                         help="budget as a fraction of this rank's measured unoptimized peak")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--out", type=Path, help="rank 0 writes params.pt, grads.pt and summary.json here")
@@ -114,7 +141,15 @@ def main(argv: list[str] | None = None) -> None:
         example = (data[0][0],)
         peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example(example))
         # Every rank must reach the same decision; each plans its own (identical) local step.
-        opt = optimize(model, example, budget_gb=args.budget_fraction * peak_bytes / 2**30)
+        sharded = args.mode == "fsdp-blocks"
+        # What the wrapper holds besides the model's step, set aside with reserve_gb: DDP keeps a
+        # gradient bucket per parameter byte all step; root-only fully_shard gathers every
+        # parameter (measured about 1.2x the parameter bytes). Per-block fully_shard is in the
+        # memory model itself (world_size: shards plus the units in flight).
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        reserve_bytes = {"ddp": 1.0, "fsdp": 1.5, "fsdp-blocks": 0.0}[args.mode] * param_bytes
+        opt = optimize(model, example, budget_gb=args.budget_fraction * peak_bytes / 2**30,
+                       reserve_gb=reserve_bytes / 2**30, world_size=world_size if sharded else 1)
         plan = opt.plan
         if args.mode == "ddp":
             wrapped: nn.Module = nn.parallel.DistributedDataParallel(opt)
@@ -122,14 +157,29 @@ def main(argv: list[str] | None = None) -> None:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            wrapped = fully_shard(opt, mesh=init_device_mesh(device.type, (world_size,)))
+            mesh = init_device_mesh(device.type, (world_size,))
+            if sharded:  # each block gathers its parameters only while it runs
+                for block in opt.blocks:
+                    fully_shard(block, mesh=mesh)
+            wrapped = fully_shard(opt, mesh=mesh)
         sgd = torch.optim.SGD(wrapped.parameters(), lr=args.lr)
         torch.manual_seed(100 + rank)  # dropout masks differ per rank, as in real data parallelism
         losses, first_grads = [], {}
+        measured_peak = 0
         for step, (x, y) in enumerate(data):
             sgd.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(wrapped(x), y)
-            loss.backward()
+            losses_now: list[torch.Tensor] = []
+
+            def forward_backward() -> None:
+                loss = nn.functional.mse_loss(wrapped(x), y)
+                loss.backward()
+                losses_now.append(loss.detach())
+
+            if step == 1:  # the first step re-plans for FSDP units; measure the next one
+                measured_peak = held_bytes(wrapped, x, y) + running_peak_bytes(forward_backward)
+            else:
+                forward_backward()
+            loss = losses_now[0]
             if step == 0:
                 first_grads = {name: full(p.grad).detach().cpu().clone() for name, p in opt.named_parameters()}
             sgd.step()
@@ -139,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 log.info("step %d: mean loss %.5f", step, losses[-1])
         params = {name: full(p).detach().cpu().clone() for name, p in opt.named_parameters()}
+        sgd.zero_grad(set_to_none=True)
+        plan = opt.plan_for(*example)  # the plan in use (re-solved for FSDP units when sharded)
         wrapped.eval()  # eval runs the user's own module, reading the same (gathered) parameters
         with torch.no_grad():
             eval_loss = nn.functional.mse_loss(wrapped(data[0][0]), data[0][1])
@@ -147,9 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             log.info("eval loss on the first batch after training: %.5f", eval_loss)
         if rank == 0:
-            log.info("%s on %d ranks: unoptimized peak %.1f MiB per rank, budget %.1f MiB, predicted %.1f MiB, "
-                     "%d segments recomputed", args.mode, world_size, peak_bytes / 2**20, plan.budget_bytes / 2**20,
-                     plan.predicted_peak_bytes / 2**20, len(plan.segments))
+            log.info("%s on %d ranks: unoptimized peak %.1f MiB per rank (one process, its batch share), "
+                     "budget %.1f MiB, predicted %.1f MiB, measured %.1f MiB (step 1, rank 0), %d segments",
+                     args.mode, world_size, peak_bytes / 2**20, plan.budget_bytes / 2**20,
+                     plan.predicted_peak_bytes / 2**20, measured_peak / 2**20, len(plan.segments))
         if rank == 0 and args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save(params, args.out / "params.pt")
@@ -158,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                 "mode": args.mode, "world_size": world_size, "losses": losses, "eval_loss": eval_loss,
                 "segments": len(plan.segments),
                 "unoptimized_peak_bytes": peak_bytes, "budget_bytes": plan.budget_bytes,
-                "predicted_peak_bytes": plan.predicted_peak_bytes, "wrapper": type(wrapped).__name__,
+                "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": measured_peak,
+                "wrapper": type(wrapped).__name__,
             }
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts

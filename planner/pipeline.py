@@ -19,7 +19,13 @@ import math
 from typing import Any
 
 from planner.errors import InfeasibleBudgetError, InputError, PlannerError
-from planner.costgraph import CostGraph, hold_parameter_grads, protect_reads_before_writes, shard_parameters
+from planner.costgraph import (
+    CostGraph,
+    Storage,
+    hold_parameter_grads,
+    protect_reads_before_writes,
+    shard_parameters,
+)
 from planner.plan import GIB, Plan
 from planner.solve import solve
 
@@ -223,3 +229,19 @@ class Replanner:
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
+
+    def solve(self, graph: CostGraph, grads_held: bool = False, keep: frozenset[str] = frozenset(),
+              extra_bytes: int = 0) -> Plan:
+        """Plan ``graph`` again with these options, recomputing none of the nodes in ``keep`` and
+        holding ``extra_bytes`` more all step (no tracing or profiling: safe under
+        ``torch.distributed``)."""
+        if keep:
+            graph = dataclasses.replace(graph, nodes=tuple(
+                dataclasses.replace(n, recomputable=False) if n.name in keep else n for n in graph.nodes))
+        if extra_bytes > 0:
+            key = max((st.key for st in graph.storages), default=-1) + 1
+            graph = dataclasses.replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
+                                        measured_peak_bytes=None)
+        return plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb, safety_margin=self.safety_margin,
+                               max_stages=self.max_stages, solver=self.solver, time_limit_s=self.time_limit_s,
+                               selective=self.selective, world_size=self.world_size, grads_held=grads_held)
