@@ -65,12 +65,18 @@ PRISTINE_GRAPH = "checkpoint_planner_pristine_graph"
 FSDP_UNITS_IN_FLIGHT = 4
 
 
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    with warnings.catch_warnings():  # torch's own pytree spec copy warns about LeafSpec
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return copy.deepcopy(graph)
+
+
 def _fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule with the graph ``gm`` had before :func:`apply_plan` rewrote it."""
     pristine = gm.meta.get(PRISTINE_GRAPH)
     if pristine is None:
         raise PlannerError("this module was built without its graph as captured; re-plan with optimize()")
-    fresh = torch.fx.GraphModule(gm, copy.deepcopy(pristine))
+    fresh = torch.fx.GraphModule(gm, _copy_graph(pristine))
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(fresh, attr, getattr(gm, attr))
@@ -450,8 +456,10 @@ class CheckpointedModule(torch.nn.Module):
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            object.__setattr__(new, name, copy.deepcopy(value, memo))
+        with warnings.catch_warnings():  # torch's own pytree spec copy warns about LeafSpec
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            for name, value in self.__dict__.items():
+                object.__setattr__(new, name, copy.deepcopy(value, memo))
         for variant in (*new._variants.values(), *new._unit_variants.values()):
             attach_to_user_modules(variant.graph_module, new.original)
         if not new._variants:
@@ -483,7 +491,7 @@ def apply_plan(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     ``gm`` should be the graph the plan was made from (node names are the join key). A copy of
     the graph as it was is kept in ``gm.meta``, to re-apply the plan with FSDP unit hooks.
     """
-    gm.meta[PRISTINE_GRAPH] = copy.deepcopy(gm.graph)
+    gm.meta[PRISTINE_GRAPH] = _copy_graph(gm.graph)
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}
     for k, segment in enumerate(plan.segments):
