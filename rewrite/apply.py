@@ -231,6 +231,13 @@ def attach_to_user_modules(gm: torch.fx.GraphModule, original: torch.nn.Module) 
     ``state_dict()`` of a module sharing ``original``'s tree has exactly the user's keys.
     Returns False (and leaves ``gm`` alone) when some ``get_attr`` of the graph does not name
     the same object in ``original``.
+
+    Example:
+        >>> from profiling.trace import trace_module
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        >>> gm = trace_module(model, (torch.randn(2, 4),))
+        >>> attach_to_user_modules(gm, model), gm._modules["0"] is model[0]
+        (True, True)
     """
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -347,6 +354,12 @@ class CheckpointedModule(torch.nn.Module):
 
         Call it before wrapping with DDP or FSDP for each batch shape you will train on: unlike a
         forward, it profiles new shapes under ``torch.distributed`` too.
+
+        Example:
+            >>> from planner import optimize
+            >>> opt = optimize(torch.nn.Linear(8, 8), (torch.randn(4, 8),), budget_gb=1.0)
+            >>> opt.plan_for(torch.randn(2, 8)).segments
+            ()
         """
         return self._variant(StepInputs(args, kwargs), explicit=True).plan
 

@@ -37,7 +37,12 @@ __all__ = ["fsdp_unit_paths", "unit_of_nodes", "insert_unit_hooks", "barrier_nod
 
 
 def fsdp_unit_paths(module: torch.nn.Module) -> tuple[str, ...]:
-    """Qualified names of the submodules of ``module`` (not itself) that ``fully_shard`` wrapped."""
+    """Qualified names of the submodules of ``module`` (not itself) that ``fully_shard`` wrapped.
+
+    Example:
+        >>> fsdp_unit_paths(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        ()
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - builds without distributed
@@ -129,7 +134,14 @@ def _ranges(graph: torch.fx.Graph, units: tuple[str, ...],
 
 def barrier_nodes(graph: torch.fx.Graph, units: tuple[str, ...]) -> frozenset[str]:
     """Nodes a checkpointed segment must start at: the first op of every unit and the first op
-    after it. Keeping them out of recompute keeps every segment inside one unit."""
+    after it. Keeping them out of recompute keeps every segment inside one unit.
+
+    Example:
+        >>> from profiling.trace import trace_module
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        >>> sorted(barrier_nodes(trace_module(model, (torch.randn(2, 4),)).graph, ("1",)))
+        ['linear_1', 'tanh']
+    """
     calls = [n for n in graph.nodes if n.op == "call_function"]
     index = {n: i for i, n in enumerate(calls)}
     out: set[str] = set()
