@@ -26,7 +26,7 @@ anchor, whether the planner at that anchor's peak dominates it) under ``--out`` 
 ``anchors.md`` into README.md's "Against the anchors" section.
 
     python benchmarks/anchors.py --quick             # 2 models, 1 memory fraction, 3 repeats: < 3 min
-    python benchmarks/anchors.py --readme            # 6 models, 3 fractions, 5 repeats: < 30 min
+    python benchmarks/anchors.py --readme            # 6 models, 3 fractions, 7 repeats: < 30 min
     python benchmarks/anchors.py --device cuda       # the same on a GPU
 """
 
@@ -88,7 +88,7 @@ MODELS: dict[str, tuple[Builder, str]] = {
 }
 QUICK_MODELS = ["mlp", "gpt2"]
 
-FULL = {"fractions": [0.7, 0.5, 0.35], "repeats": 5, "sweep_points": 6}
+FULL = {"fractions": [0.7, 0.5, 0.35], "repeats": 7, "sweep_points": 6}
 QUICK = {"fractions": [0.5], "repeats": 3, "sweep_points": 4}
 EVERY_K = [1, 2]
 COMPILE_DEFAULT_BUDGET = 1.0
@@ -219,9 +219,8 @@ def run_model(name: str, device: torch.device, fractions: Sequence[float], repea
         return row
 
     none = new("none", "none")
-    measure(none, model, inputs, base_flops=0)
     base_flops = measure_step_flops(model, inputs)
-    none.extra_flops, none.flops_fraction = 0, 0.0
+    measure(none, model, inputs, base_flops, flops=base_flops)
     base_peak = none.peak_bytes
     assert base_peak is not None
     modules.append((none, model))
@@ -239,15 +238,17 @@ def run_model(name: str, device: torch.device, fractions: Sequence[float], repea
         flops: list[int] = []
         try:
             compiled = compiled_with_budget(model, budget, flops)
-            t0 = time.perf_counter()
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                t0 = time.perf_counter()
                 run_step(compiled, inputs)  # compiles forward and backward
-            model.zero_grad(set_to_none=True)
-            row.compile_s = time.perf_counter() - t0
-            step_flops = sum(flops)
+                row.compile_s = time.perf_counter() - t0
+                model.zero_grad(set_to_none=True)
+                step_flops, graphs = sum(flops), len(flops)
+                run_step(compiled, inputs)  # a second step must not compile again
+                model.zero_grad(set_to_none=True)
             measure(row, compiled, inputs, base_flops, flops=step_flops)
-            if sum(flops) != step_flops:
-                log.warning("%s: compile %g recompiled while measuring", name, budget)
+            if len(flops) != graphs:
+                log.warning("%s: compile %g compiled again after its first step", name, budget)
             modules.append((row, compiled))
             log.info("%s: compile %g: %.1f MiB, compiled in %.0f s", name, budget, row.peak_bytes / MIB, row.compile_s)
         except Exception as exc:  # noqa: BLE001 - any compile failure is a result to record
@@ -266,9 +267,11 @@ def run_model(name: str, device: torch.device, fractions: Sequence[float], repea
         measure(row, opt, inputs, base_flops)
         modules.append((row, opt))
     t0 = time.perf_counter()
-    plans = [p for p in sweep(protect_reads_before_writes(graph), points=sweep_points, time_limit_s=time_limit_s)
-             if p.segments]
+    swept = sweep(protect_reads_before_writes(graph), points=sweep_points, time_limit_s=time_limit_s)
     info["sweep_s"] = time.perf_counter() - t0
+    log.info("%s: sweep budgets %s MiB, segments %s", name, [round(p.budget_bytes / MIB, 2) for p in swept],
+             [len(p.segments) for p in swept])
+    plans = [p for p in swept if p.segments]
     for i, plan in enumerate(plans, start=1):
         row = new("planner_sweep", f"sweep {i}/{len(plans)}", budget_bytes=plan.budget_bytes)
         record_plan(row, plan)
@@ -442,8 +445,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all (quick: mlp gpt2)")
     parser.add_argument("--fractions", nargs="*", type=float,
                         help="activation_memory_budget values for torch.compile besides 1.0 (default 0.7 0.5 0.35; quick 0.5)")
-    parser.add_argument("--repeats", type=int, help="interleaved timing repeats (default 5; quick 3)")
-    parser.add_argument("--sweep-points", type=int, help="budgets of the planner's sweep (default 5; quick 3)")
+    parser.add_argument("--repeats", type=int, help="interleaved timing repeats (default 7; quick 3)")
+    parser.add_argument("--sweep-points", type=int, help="budgets of the planner's sweep, the unoptimized peak included (default 6; quick 4)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--time-limit-s", type=float, default=30.0, help="the planner's solver time limit per solve")
     parser.add_argument("--threads", type=int, default=1,
