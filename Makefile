@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup example test test-fast table
+.PHONY: setup example test test-fast table anchors anchors-quick
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -23,3 +23,9 @@ test-fast: setup
 
 table: setup
 	$(PY) benchmarks/budget_table.py --csv benchmarks/budget_table.csv
+
+anchors: setup
+	$(PY) benchmarks/anchors.py --readme
+
+anchors-quick: setup
+	$(PY) benchmarks/anchors.py --quick

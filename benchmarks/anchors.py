@@ -446,7 +446,8 @@ def main() -> None:
     parser.add_argument("--fractions", nargs="*", type=float,
                         help="activation_memory_budget values for torch.compile besides 1.0 (default 0.7 0.5 0.35; quick 0.5)")
     parser.add_argument("--repeats", type=int, help="interleaved timing repeats (default 7; quick 3)")
-    parser.add_argument("--sweep-points", type=int, help="budgets of the planner's sweep, the unoptimized peak included (default 6; quick 4)")
+    parser.add_argument("--sweep-points", type=int,
+                        help="budgets of the planner's sweep, the unoptimized peak included (default 6; quick 4)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--time-limit-s", type=float, default=30.0, help="the planner's solver time limit per solve")
     parser.add_argument("--threads", type=int, default=1,
