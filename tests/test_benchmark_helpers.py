@@ -1,0 +1,60 @@
+"""The benchmarks' shared helpers: checkpoint-every-k-th-layer baselines and interleaved timing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from common import checkpoint_every_k, find_layers, step_time_ratios  # noqa: E402
+from models import ResidualMLP, gpt2  # noqa: E402
+
+from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes  # noqa: E402
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    module(x).sum().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_find_layers_picks_the_repeated_blocks() -> None:
+    model, _ = gpt2(batch=1, seq_len=8, layers=3, width=32, vocab=64)
+    name, layers = find_layers(model)
+    assert name == "transformer.h" and len(layers) == 3
+    assert find_layers(ResidualMLP(width=8, hidden=16, blocks=4))[0] == "blocks"
+    with pytest.raises(ValueError):
+        find_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_k_keeps_gradients_and_saves_memory(k: int) -> None:
+    torch.manual_seed(0)
+    model = ResidualMLP(width=32, hidden=128, blocks=4, dropout=0.1).train()
+    x = torch.randn(256, 32)
+    every = checkpoint_every_k(model, k)
+    assert every is not model and every.training
+    a, b = _grads(model, x), _grads(every, x)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    inputs = StepInputs.from_example((x,))
+    assert measure_step_peak_bytes(every, inputs) < measure_step_peak_bytes(model, inputs)
+    # k=1 recomputes every block's forward: 4 blocks x 2 linears; k=2 half of that
+    extra = measure_step_flops(every, inputs) - measure_step_flops(model, inputs)
+    assert extra == (4 // k) * 2 * (2 * 256 * 32 * 128)
+    with pytest.raises(ValueError):
+        checkpoint_every_k(model, 0)
+
+
+def test_step_time_ratios_are_relative_to_the_first_module() -> None:
+    model = ResidualMLP(width=8, hidden=16, blocks=2).train()
+    ratios = step_time_ratios([model, checkpoint_every_k(model, 1)], StepInputs.from_example((torch.randn(4, 8),)),
+                              repeats=3)
+    assert ratios[0] == 1.0 and ratios[1] > 0
+    assert all(p.grad is None for p in model.parameters())
