@@ -53,13 +53,14 @@ ALL_CUTS_BELOW = 64
 class _Chain:
     """Compute nodes by rank: prefix sums of time, FLOPs and non-recomputable nodes, cut points."""
 
-    def __init__(self, graph: CostGraph, cut_stages: int) -> None:
+    def __init__(self, graph: CostGraph, cut_stages: int, blocked: frozenset[str] = frozenset()) -> None:
         computes = [n for n in graph.nodes if n.kind == "compute"]
         self.names = [n.name for n in computes]
         self.rank = {name: r for r, name in enumerate(self.names)}
         self.time_prefix = [0.0, *accumulate(n.time_ms for n in computes)]
         self.flops_prefix = [0, *accumulate(n.flops for n in computes)]
-        self.fixed_prefix = [0, *accumulate(0 if n.recomputable else 1 for n in computes)]
+        # nodes no run may include: not recomputable, or in a segment the search keeps as it is
+        self.fixed_prefix = [0, *accumulate(0 if n.recomputable and n.name not in blocked else 1 for n in computes)]
         if len(computes) < ALL_CUTS_BELOW:
             cuts = set(range(len(computes) + 1))
         else:
@@ -152,7 +153,7 @@ class _Search:
     def __init__(self, graph: CostGraph, segments: Sequence[Segment], cut_stages: int, time_limit_s: float) -> None:
         self.graph = graph
         self.fixed = [s for s in segments if s.selective]
-        self.chain = _Chain(graph, cut_stages)
+        self.chain = _Chain(graph, cut_stages, frozenset(n for s in self.fixed for n in s.node_names))
         rank = self.chain.rank
         self.runs = sorted((rank[s.node_names[0]], rank[s.node_names[-1]]) for s in segments if not s.selective)
         self.deadline = time.perf_counter() + time_limit_s
