@@ -178,6 +178,41 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return cpu_time
 
 
+def _signature(n: torch.fx.Node, inputs: list[tuple[torch.Tensor, int]], result: Any) -> tuple[Any, ...]:
+    """What an op's time depends on: the op, the shapes, strides and dtypes it reads and makes."""
+    def describe(t: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.shape), t.stride(), str(t.dtype)
+
+    return (n.op, str(n.target), tuple(describe(t) for t, _ in inputs),
+            tuple(describe(t) for t in _tensors(result)), repr(n.kwargs) if n.kwargs else "")
+
+
+def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
+    """Give every node the median time of all nodes running the same op on the same shapes.
+
+    A transformer runs each op once per layer; timing noise on a shared machine (one mul 5x
+    slower than its twin in the next layer) would otherwise steer the planner. Returns how
+    many nodes share a time with another.
+
+    Example:
+        >>> records = {"a": {"signature": 1, "time_ms": 1.0}, "b": {"signature": 1, "time_ms": 9.0},
+        ...            "c": {"signature": 1, "time_ms": 2.0}, "d": {"signature": 2, "time_ms": 5.0}}
+        >>> pool_repeated_op_times(records), [r["time_ms"] for r in records.values()]
+        (3, [2.0, 2.0, 2.0, 5.0])
+    """
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for record in records.values():
+        groups.setdefault(record["signature"], []).append(record)
+    pooled = 0
+    for members in groups.values():
+        if len(members) > 1:
+            median_ms = statistics.median(r["time_ms"] for r in members)
+            for r in members:
+                r["time_ms"] = median_ms
+            pooled += len(members)
+    return pooled
+
+
 class _ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
@@ -243,6 +278,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
                 for _ in range(self.timing_repeats - 1):
                     times.append(self.time(lambda: fn(*call_args, **kwargs)))
         self.records[n.name] = {
+            "signature": _signature(n, before, result),
             "run_once": n.op == "call_function" and n.target in RUN_ONCE_OPS,
             "result": result,
             "saved": saved,
@@ -268,6 +304,8 @@ def profile_graph(
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
+    Nodes running the same op on the same shapes (one per layer in a transformer) get the median
+    of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
     model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
     allocator and stored as ``measured_peak_bytes``.
@@ -316,6 +354,8 @@ def profile_graph(
         _roofline_times(gm, interp, target)
         step_times: list[float] = []
     else:
+        pooled = pool_repeated_op_times(interp.records)
+        log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
         with preserved_state(gm):
             timer = _timer(device)
             progress_log.info("profiling: timing %d steps", step_repeats)
