@@ -333,7 +333,8 @@ def markdown(rows: list[Row], infos: dict[str, dict[str, Any]], device: torch.de
              fractions: Sequence[float], repeats: int, wall_s: float, image_dir: str = "") -> str:
     """The summary: a table of every anchor against the planner at its peak, a note per model, the plots
     (``image_dir``: where the PNGs are, relative to the markdown file)."""
-    where = (f"CPU, {torch.get_num_threads()} threads" if device.type == "cpu"
+    threads = torch.get_num_threads()
+    where = (f"CPU, {threads} thread{'s' if threads != 1 else ''}" if device.type == "cpu"
              else torch.cuda.get_device_name(device))
     lines = [
         f"Device: {where}; mode: {mode}; torch {torch.__version__}; compile memory budgets 1.0 and "
