@@ -38,25 +38,31 @@ def sweep(
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
+    safety_margin: float = 0.01,
 ) -> list[Plan]:
     """One plan per budget, smallest budget first; infeasible budgets are skipped.
 
     Without ``budgets_bytes``, ``points`` budgets are spread evenly from the smallest feasible
     peak to the unoptimized peak. Costs never rise with the budget: when a budget's own plan
     costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
-    used for it.
+    used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
+    ``safety_margin`` below its budget (allocator rounding the profile does not see).
     """
+    if not 0 <= safety_margin < 1:
+        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
     if budgets_bytes is None:
         if points < 2:
             raise ValueError("points must be at least 2")
         low = minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
-                                time_limit_s=time_limit_s).predicted_peak_bytes
+                                time_limit_s=time_limit_s).predicted_peak_bytes / (1 - safety_margin)
         high = simulate(graph).peak_bytes
         budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
     plans: list[Plan] = []
     for n, budget in enumerate(sorted(budgets_bytes), start=1):
         try:
-            plan = solve(graph, int(budget), max_stages=max_stages, solver=solver, time_limit_s=time_limit_s)
+            plan = solve(graph, int(budget * (1 - safety_margin)), max_stages=max_stages, solver=solver,
+                         time_limit_s=time_limit_s)
+            plan = dataclasses.replace(plan, budget_bytes=int(budget))
             if plans and plans[-1].recompute_ms < plan.recompute_ms:
                 plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))
             plans.append(plan)

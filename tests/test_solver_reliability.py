@@ -251,10 +251,18 @@ def test_sweep_cost_never_rises_with_the_budget_and_the_roomiest_recomputes_noth
     unoptimized = simulate(g).peak_bytes
     low = minimum_peak_plan(g).predicted_peak_bytes
     budgets = [int(low + (unoptimized - low) * f) for f in (0, 0.2, 0.4, 0.6, 0.8)]
-    plans = sweep(g, [*budgets, unoptimized, int(unoptimized * 1.2)])
+    plans = sweep(g, [*budgets, unoptimized, int(unoptimized * 1.2)], safety_margin=0)
     assert len(plans) == 7, "every budget at or above the smallest feasible one has a plan"
     costs = [p.recompute_ms for p in plans]
     assert costs == sorted(costs, reverse=True), costs
     for plan in plans:
         assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= plan.budget_bytes
     assert plans[-1].budget_bytes >= unoptimized and plans[-1].segments == ()
+
+
+def test_sweep_keeps_the_safety_margin_below_each_budget():
+    from planner.sweep import sweep
+
+    g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
+    for plan in sweep(g, points=4):
+        assert plan.predicted_peak_bytes <= plan.budget_bytes * 0.99 + 1
