@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
