@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 
 from planner.costgraph import CostGraph
@@ -53,9 +54,11 @@ def sweep(
     if budgets_bytes is None:
         if points < 2:
             raise ValueError("points must be at least 2")
-        low = minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
-                                time_limit_s=time_limit_s).predicted_peak_bytes / (1 - safety_margin)
-        high = simulate(graph).peak_bytes
+        # the margin sits below each budget: the ends are the smallest feasible and the
+        # unoptimized peaks plus their margin (and a few bytes for rounding)
+        low = math.ceil(minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
+                                          time_limit_s=time_limit_s).predicted_peak_bytes / (1 - safety_margin)) + 2
+        high = math.ceil(simulate(graph).peak_bytes / (1 - safety_margin)) + 2
         budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
     plans: list[Plan] = []
     for n, budget in enumerate(sorted(budgets_bytes), start=1):

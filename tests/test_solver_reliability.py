@@ -266,3 +266,13 @@ def test_sweep_keeps_the_safety_margin_below_each_budget():
     g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
     for plan in sweep(g, points=4):
         assert plan.predicted_peak_bytes <= plan.budget_bytes * 0.99 + 1
+
+
+def test_sweep_spans_the_smallest_feasible_to_the_unoptimized_peak_with_its_margin():
+    from planner.sweep import sweep
+
+    g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
+    plans = sweep(g, points=5)
+    assert len(plans) == 5, "the smallest budget must not be lost to rounding"
+    assert plans[0].predicted_peak_bytes == minimum_peak_plan(g).predicted_peak_bytes
+    assert plans[-1].segments == (), "the top of the sweep is the unoptimized step"
