@@ -260,7 +260,9 @@ def test_fake_planning_of_gpt2_xl_for_an_h100_without_allocating():
     assert result["segments"] and result["predicted_bytes"] <= 80e9
     assert result["target"] == "h100" and 0 < result["step_ms"] < 1e5
     # the parameters alone would take 6 GiB if they were allocated
-    assert result["max_rss_kib"] < 2 * 2**20, f"resident memory reached {result['max_rss_kib'] / 2**20:.1f} GiB"
+    # real tensors would need the 6 GB of parameters alone; the bound leaves room for the MIP
+    # solver's search tree when a loaded machine slows it (2.4 GiB seen once under load)
+    assert result["max_rss_kib"] < 4 * 2**20, f"resident memory reached {result['max_rss_kib'] / 2**20:.1f} GiB"
 
 
 class _Gate(torch.nn.Module):

@@ -154,6 +154,12 @@ def test_random_ops_draw_the_same_numbers_on_recompute():
 
 def test_dropout_under_the_solver_plan_gives_bitwise_equal_gradients(planned):
     model, inputs, opt, _ = planned
+    if not any(name.startswith("dropout") for name in recomputed(opt)):
+        # which nodes a 65 % plan recomputes depends on measured times; at the smallest
+        # feasible budget the dropouts are recomputed whatever the timings
+        with pytest.raises(InfeasibleBudgetError) as info:
+            optimize(model, inputs, budget_gb=1e-6, timing_repeats=1)
+        opt = optimize(model, inputs, budget_gb=info.value.min_feasible_bytes / 2**30, timing_repeats=1)
     assert any(name.startswith("dropout") for name in recomputed(opt))
     assert_same_step(model, opt, inputs, seed=5)
 
