@@ -29,37 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import ResidualMLP  # examples/models.py, next to this script
+
 log = logging.getLogger("distributed_train")
 
 
-class Block(nn.Module):
-    """LayerNorm → Linear → GELU → Linear (→ Dropout), with a residual connection."""
-
-    def __init__(self, width: int, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
-
-
-class Net(nn.Module):
-    def __init__(self, width: int, hidden: int, blocks: int, dropout: float) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(width, hidden, dropout) for _ in range(blocks)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
-
-
-def build(width: int = 64, hidden: int = 256, blocks: int = 4, dropout: float = 0.0, seed: int = 0) -> Net:
-    """The model every rank (and a single-process reference) starts from."""
+def build(width: int = 64, hidden: int = 256, blocks: int = 4, dropout: float = 0.0,
+          seed: int = 0) -> ResidualMLP:
+    """The model every rank (and a single-process reference) starts from: residual blocks and
+    a one-output regression head."""
     torch.manual_seed(seed)
-    return Net(width, hidden, blocks, dropout).train()
+    return ResidualMLP(width, hidden, blocks, classes=1, dropout=dropout).train()
 
 
 def batches(steps: int, global_batch: int, width: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
