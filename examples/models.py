@@ -55,12 +55,12 @@ def residual_mlp(batch: int = 2048, seed: int = 0) -> tuple[nn.Module, tuple[Any
 
 
 def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-         vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
+         vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
     """A small GPT-2 language model (dropout on) and a batch of token ids with labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=max(seq_len, 64),
+        n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=max(seq_len, 64),
         bos_token_id=0, eos_token_id=0, use_cache=False,
     )
     torch.manual_seed(seed)
@@ -70,13 +70,13 @@ def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, wid
 
 
 def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-          vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
+          vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
     """A small Llama causal language model from a config, with token ids and labels."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=width, intermediate_size=704 * width // 256, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=max(seq_len, 64), use_cache=False,
+        hidden_size=width, intermediate_size=704 * width // 256, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=max(seq_len, 64), use_cache=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
     torch.manual_seed(seed)
@@ -86,12 +86,12 @@ def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0, wi
 
 
 def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-         vocab: int = 4096) -> tuple[nn.Module, dict[str, Any]]:
+         vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
     """A small BERT masked language model from a config (dropout on), with token ids and labels."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers, num_attention_heads=4,
+        hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers, num_attention_heads=heads,
         vocab_size=vocab, max_position_embeddings=max(seq_len, 64), pad_token_id=0,
     )
     torch.manual_seed(seed)

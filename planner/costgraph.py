@@ -68,9 +68,9 @@ class CostNode:
         forward_peak_bytes: measured bytes the node's forward allocates at its high point,
             temporaries included (0 when unknown: the simulator then uses tensor sizes alone).
         backward_peak_bytes: the same for the node's backward.
-        selective_save: under a selective checkpoint policy (matmuls, convolutions and attention
-            kept, the rest recomputed), this node's outputs are saved in the forward instead of
-            recomputed.
+        selective_save: a selective checkpoint policy can keep this node's outputs from the
+            forward instead of recomputing them (a function call that aliases no input, writes
+            nothing in place and draws no random numbers); :mod:`planner.keep` decides which.
     """
 
     name: str

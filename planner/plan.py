@@ -25,8 +25,8 @@ GIB = 2**30
 class Segment:
     """A contiguous run of nodes run under one ``torch.utils.checkpoint`` call.
 
-    A selective segment keeps the outputs of ``kept_nodes`` (its matmuls) from the forward, under
-    a selective checkpoint policy, and recomputes only the rest; ``recompute_ms`` and
+    A selective segment keeps the outputs of ``kept_nodes`` from the forward, under a selective
+    checkpoint policy, and recomputes only the rest (:mod:`planner.keep` chooses them); ``recompute_ms`` and
     ``recompute_flops`` count what is actually recomputed.
     """
 
@@ -102,7 +102,7 @@ class Plan:
             lines.append(
                 f"  segment {k}: {seg.node_names[0]} .. {seg.node_names[-1]} "
                 f"({len(seg.node_names)} nodes, {seg.recompute_ms:.2f} ms"
-                f"{', selective: matmuls kept' if seg.selective else ''})"
+                f"{f', {len(seg.kept_nodes)} outputs kept' if seg.selective else ''})"
             )
         return "\n".join(lines)
 

@@ -15,6 +15,10 @@ solution is replayed there, and when its simulated peak exceeds the budget the I
 again with the budget lowered by the excess. A plan is returned only when its simulated peak
 is within the budget; otherwise :class:`InfeasibleBudgetError` names the smallest peak found.
 
+With ``selective=True`` an op-level pass follows (:mod:`planner.keep`): inside the chosen
+segments, node by node, outputs worth more recompute time than the memory they hold are kept
+from the forward under a selective checkpoint policy instead of being recomputed.
+
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
@@ -43,6 +47,7 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
+from planner.keep import keep_outputs
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
@@ -83,11 +88,6 @@ class _StageModel:
     segments: list[tuple[int, int]]
     recomputed: dict[tuple[int, int], float]
     segment_overhead: float
-    selective_time_ms: list[float]
-    selective_flops: list[int]
-    selective_segments: list[tuple[int, int]]
-    recomputed_selective: dict[tuple[int, int], float]
-    kept: dict[str, bool]
 
 
 def available_solvers() -> list[str]:
@@ -143,9 +143,9 @@ def _solver_named(name: str, time_limit_s: float) -> pulp.LpSolver:
 
 @dataclass(frozen=True)
 class _IlpResult:
-    """One ILP solve: the chosen ``(first_stage, last_stage, selective)`` runs and how the solver ended."""
+    """One ILP solve: the chosen ``(first_stage, last_stage)`` runs and how the solver ended."""
 
-    chosen: list[tuple[int, int, bool]]
+    chosen: list[tuple[int, int]]
     solver: str
     #: proven relative gap between this solution and the best bound; None when not known
     gap: float | None
@@ -192,9 +192,7 @@ def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVaria
     return pulp.LpVariable(name, **kwargs)
 
 
-def _stage_model(
-    graph: CostGraph, stages: list[Stage], max_segment_stages: int, allow_selective: bool = True
-) -> _StageModel:
+def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int) -> _StageModel:
     sizes_b = graph.storage_by_key
     persistent = {k for k, s in sizes_b.items() if s.persistent}
     stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
@@ -214,26 +212,12 @@ def _stage_model(
     saves: list[set[int]] = [set() for _ in stages]
     time_ms = [0.0] * k_count
     flops = [0] * k_count
-    selective_time = [0.0] * k_count
-    selective_flops = [0] * k_count
-    has_kept = [False] * k_count
-    cached: set[int] = set()
-    cached_at: dict[int, int] = {}
     transient = [0.0] * k_count
     grads = [0.0] * k_count
     for node in nodes:
         j = stage_of[node.name]
         time_ms[j] += node.time_ms
         flops[j] += node.flops
-        if node.selective_save:
-            has_kept[j] = True
-            cached.update(k for k in (*node.output_storages, *node.saved_storages)
-                          if k not in persistent and k not in produced_at)
-            cached_at.update({k: j for k in (*node.output_storages, *node.saved_storages)
-                              if k not in persistent and k not in produced_at})
-        else:
-            selective_time[j] += node.time_ms
-            selective_flops[j] += node.flops
         for k in (*node.output_storages, *node.saved_storages):
             if k not in persistent:
                 produced_at.setdefault(k, j)
@@ -293,37 +277,24 @@ def _stage_model(
         if k not in returned:
             holders.setdefault(k, []).extend((q, "saver", q) for q in qs)
     segments: list[tuple[int, int]] = []
-    selective_segments: list[tuple[int, int]] = []
     recomputed: dict[tuple[int, int], float] = {}
-    recomputed_selective: dict[tuple[int, int], float] = {}
     for a in range(k_count):
         seen: set[int] = set()
-        fresh = fresh_selective = 0.0
+        fresh = 0.0
         for j in range(a, k_count):
             for k in saves[j]:
                 if k not in seen and produced_at[k] >= a:
                     seen.add(k)
                     fresh += sizes_b[k].size_bytes / MIB
-                    if k not in cached:
-                        fresh_selective += sizes_b[k].size_bytes / MIB
             recomputed[(a, j)] = fresh
-            recomputed_selective[(a, j)] = fresh_selective
         inputs: set[int] = set()
-        kept = False
         for b in range(a, min(k_count, a + max_segment_stages)):
             if not stages[b].recomputable:
                 break
             segments.append((a, b))
-            kept = kept or has_kept[b]
-            if kept:
-                selective_segments.append((a, b))
             inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
             for k in inputs - returned:
                 holders.setdefault(k, []).append((a, "input", (a, b)))
-    if allow_selective:
-        for k, p in cached_at.items():  # a selective segment covering stage p keeps these from the forward
-            if k not in returned:
-                holders.setdefault(k, []).append((p, "cache", p))
     return _StageModel(
         stages=stages,
         base=base_bytes / MIB,
@@ -340,11 +311,6 @@ def _stage_model(
         segments=segments,
         recomputed=recomputed,
         segment_overhead=graph.segment_overhead_bytes / MIB,
-        selective_time_ms=selective_time,
-        selective_flops=selective_flops,
-        selective_segments=selective_segments if allow_selective else [],
-        recomputed_selective=recomputed_selective,
-        kept={n.name: n.selective_save for n in nodes},
     )
 
 
@@ -365,10 +331,8 @@ def _solve_ilp(
     name = _choose_solver(solver_name)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
     y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
-    z = {s: _variable(prob, f"selective_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in model.selective_segments}
     total_ms = sum(model.time_ms) or 1.0
     cost = pulp.lpSum(y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs)
-    cost += pulp.lpSum(z[(a, b)] * (sum(model.selective_time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in z)
     if budget_mib is None:
         peak = _variable(prob, "peak_mib", lowBound=0)
         bound: pulp.LpAffineExpression | float = peak
@@ -376,8 +340,6 @@ def _solve_ilp(
         # with timing noise between two profiles of the same model
         total_flops = float(sum(model.flops)) or 1.0
         flop_cost = pulp.lpSum(y[(a, b)] * (sum(model.flops[a : b + 1]) / total_flops + 1e-3) for (a, b) in segs)
-        flop_cost += pulp.lpSum(z[(a, b)] * (sum(model.selective_flops[a : b + 1]) / total_flops + 1e-3)
-                                for (a, b) in z)
         prob += peak + 1e-6 * flop_cost
     else:
         bound = budget_mib
@@ -386,8 +348,7 @@ def _solve_ilp(
     for a, b in segs:
         for j in range(a, b + 1):
             covering[j].append((a, b))
-    cov = [pulp.lpSum(y[s] for s in covering[j]) + pulp.lpSum(z[s] for s in covering[j] if s in z)
-           for j in range(k_count)]
+    cov = [pulp.lpSum(y[s] for s in covering[j]) for j in range(k_count)]
     for j in range(k_count):
         if covering[j]:
             prob += cov[j] <= 1, f"one_segment_covers_stage_{j}"
@@ -403,9 +364,7 @@ def _solve_ilp(
         def holder_expr(kind: str, ref: Any) -> Any:
             if kind == "saver":
                 return 1 - cov[ref]
-            if kind == "cache":
-                return pulp.lpSum(z[s] for s in covering[ref] if s in z)
-            return y[ref] + z[ref] if ref in z else y[ref]
+            return y[ref]
 
         first = min(pos for pos, _, _ in holders)
         if len(holders) == 1:
@@ -431,15 +390,13 @@ def _solve_ilp(
         stored_not_live = pulp.lpSum(
             sum(model.sizes[k] for k in keys if k not in live) * h for keys, h in held_terms[j]
         )
-        open_segments = (pulp.lpSum(y[s] for s in segs if s[0] <= j)
-                         + pulp.lpSum(z[s] for s in z if s[0] <= j)) * model.segment_overhead
+        open_segments = pulp.lpSum(y[s] for s in segs if s[0] <= j) * model.segment_overhead
         prob += (
             model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j]
             + open_segments <= bound,
             f"forward_stage_{j}",
         )
         recompute = pulp.lpSum(model.recomputed[(s[0], j)] * y[s] for s in covering[j])
-        recompute += pulp.lpSum(model.recomputed_selective[(s[0], j)] * z[s] for s in covering[j] if s in z)
         prob += (
             model.base + model.param_grads[j] + model.grads_in_flight[j] + stored + recompute
             + open_segments <= bound,
@@ -454,8 +411,7 @@ def _solve_ilp(
             )
         return None
     hit_time_limit = prob.sol_status == pulp.LpSolutionIntegerFeasible
-    chosen = [(a, b, False) for (a, b) in segs if (y[(a, b)].value() or 0) > 0.5]
-    chosen += [(a, b, True) for (a, b) in z if (z[(a, b)].value() or 0) > 0.5]
+    chosen = [(a, b) for (a, b) in segs if (y[(a, b)].value() or 0) > 0.5]
     gap = _proven_gap(prob, name, float(pulp.value(prob.objective) or 0.0), hit_time_limit)
     if hit_time_limit:
         log.warning("%s stopped at its time limit (%g s) with a feasible plan; proven gap %s", name, time_limit_s,
@@ -463,15 +419,12 @@ def _solve_ilp(
     return _IlpResult(sorted(chosen), name, gap, hit_time_limit)
 
 
-def _segments(model: _StageModel, chosen: list[tuple[int, int, bool]]) -> list[Segment]:
-    """The chosen ``(first_stage, last_stage, selective)`` runs as Segments with their recompute cost."""
+def _segments(model: _StageModel, chosen: list[tuple[int, int]]) -> list[Segment]:
+    """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost."""
     out = []
-    for a, b, selective in sorted(chosen):
+    for a, b in sorted(chosen):
         names = tuple(n for st in model.stages[a : b + 1] for n in st.node_names)
-        times = model.selective_time_ms if selective else model.time_ms
-        flops = model.selective_flops if selective else model.flops
-        kept = tuple(n for n in names if model.kept[n]) if selective else ()
-        out.append(Segment(names, sum(times[a : b + 1]), sum(flops[a : b + 1]), kept))
+        out.append(Segment(names, sum(model.time_ms[a : b + 1]), sum(model.flops[a : b + 1])))
     return out
 
 
@@ -507,7 +460,6 @@ def minimum_peak_plan(
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
-    selective: bool = False,
     refine_s: float = 2.0,
 ) -> Plan:
     """The plan with the smallest peak found, whatever it costs: the ILP's, lowered further by
@@ -518,7 +470,7 @@ def minimum_peak_plan(
     _check_time_limit(time_limit_s)
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=selective)
+    model = _stage_model(graph, stages, max_segment_stages=len(stages))
     unoptimized = simulate(graph).peak_bytes
     result = _solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
@@ -557,9 +509,10 @@ def solve(
     of the graph where the memory model has been less exact (one measured 5.6 % below its
     prediction), so it is off by default.
 
-    With ``selective``, a segment may also run under a selective policy that keeps its matmul
-    outputs and recomputes only the rest. It cuts recomputed FLOPs, but on CPU the policy's
-    per-op dispatch overhead made steps slower in our measurements, so it is off by default.
+    With ``selective``, nodes inside the recomputed segments may keep their outputs from the
+    forward instead of being re-run (a selective checkpoint policy), chosen per node by
+    :func:`planner.keep.keep_outputs` on the ILP's segments and on the finer segments of the
+    smallest-peak plan, whichever ends cheaper.
 
     Raises:
         InfeasibleBudgetError: no plan found fits; the error names the smallest peak reached.
@@ -577,25 +530,56 @@ def solve(
     if unoptimized <= budget_bytes:
         return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=selective)
+    model = _stage_model(graph, stages, max_segment_stages=len(stages))
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
-    if selective and (plan is None or plan.solver.endswith("(tightened)")):
-        # the selective account was optimistic somewhere: a plan without selective segments may
-        # now be cheaper than the tightened one
-        plain = _stage_model(graph, stages, max_segment_stages=len(stages), allow_selective=False)
-        other = _tightened(graph, plain, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
-        if other is not None and (plan is None or other.recompute_ms < plan.recompute_ms):
-            plan = other
+    fallback: Plan | None = None
     if plan is not None:
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
-        return _refined(graph, plan, budget_bytes, refine_s if polish else 0.0, started)
-    fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                 selective=selective, refine_s=refine_s)
-    if fallback.predicted_peak_bytes <= budget_bytes:
+        plan = _refined(graph, plan, budget_bytes, refine_s if polish else 0.0, started)
+    else:
+        fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                     refine_s=refine_s)
+        if fallback.predicted_peak_bytes > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
         # the fallback minimised the peak, so no gap on the recompute cost is known
         plan = dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None)
-        return _refined(graph, plan, budget_bytes, refine_s, started)
-    raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
+        plan = _refined(graph, plan, budget_bytes, refine_s, started)
+    if selective:
+        plan = _with_kept_outputs(graph, plan, budget_bytes, fallback, max_stages=max_stages, solver=solver,
+                                  time_limit_s=time_limit_s, refine_s=refine_s, started=started)
+    return plan
+
+
+def _with_kept_outputs(
+    graph: CostGraph,
+    plan: Plan,
+    budget_bytes: int,
+    fallback: Plan | None,
+    *,
+    max_stages: int,
+    solver: str | None,
+    time_limit_s: float,
+    refine_s: float,
+    started: float,
+) -> Plan:
+    """The cheapest of ``plan`` and op-level keep decisions (:func:`planner.keep.keep_outputs`)
+    over two sets of segments: ``plan``'s, and the finer ones of the smallest-peak plan, whose
+    extra room below the budget is then filled with kept outputs."""
+    starts = [list(plan.segments)]
+    if fallback is None:
+        fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                     refine_s=refine_s)
+    if fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
+        starts.append(list(fallback.segments))
+    best = plan
+    for segments in starts:
+        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=max(refine_s, 1.0))
+        cost = sum(s.recompute_ms for s in kept)
+        if kept and cost < best.recompute_ms - 1e-9:
+            peak = simulate(graph, kept).peak_bytes
+            best = dataclasses.replace(plan, segments=tuple(kept), predicted_peak_bytes=peak, optimality_gap=None,
+                                       solver=f"{plan.solver.removesuffix(' + keep')} + keep")
+    return dataclasses.replace(best, solve_s=time.perf_counter() - started)
 
 
 def _every_recomputable_run(graph: CostGraph) -> list[Segment]:

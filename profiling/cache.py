@@ -43,7 +43,7 @@ __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cach
 log = logging.getLogger(__name__)
 
 #: Bumped when the meaning of a profile changes without a change of its fields.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: CostNode.selective_save marks every node a selective policy can keep
 
 
 def _schema() -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -133,15 +134,32 @@ def _updates_running_stats(node: torch.fx.Node) -> bool:
     return bool(training and training[0]) or node.kwargs.get("training", False) is True
 
 
-#: FX ops whose outputs a selective checkpoint keeps: every op they dispatch to is cached in the
-#: forward (see rewrite.apply.CheckpointedSegment). Attention is left out: its kernels mutate
-#: their intermediates in place, which a selective-checkpoint cache refuses.
-_SELECTIVE_SAVE_OPS = ("linear", "addmm", "mm.", "bmm", "matmul", "convolution", "conv1d", "conv2d", "conv3d")
+class _InPlaceSpy(TorchDispatchMode):
+    """Notes whether any op dispatched inside a node writes one of its arguments in place.
+
+    A selective checkpoint policy caches the outputs of every op of a kept node and refuses
+    (at recompute) a cached tensor that was modified in place afterwards, which composite ops
+    such as CPU dropout and attention do to their own intermediates.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes_in_place = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            self.writes_in_place = True
+        return func(*args, **(kwargs or {}))
 
 
-def _is_selective_save(node: torch.fx.Node) -> bool:
-    name = str(node.target)
-    return node.op == "call_function" and any(op in name for op in _SELECTIVE_SAVE_OPS)
+def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bool:
+    """Whether a selective checkpoint policy can keep the node's outputs from the forward
+    instead of recomputing them (:mod:`planner.keep`): a function call that writes nothing in
+    place, aliases no input and draws no random numbers (skipping a random op in the recompute
+    would shift the random stream of the ops after it)."""
+    return (node.op == "call_function" and not is_alias and not record["mutating"]
+            and not record["writes_in_place"] and not _is_random(node))
 
 
 def _is_random(node: torch.fx.Node) -> bool:
@@ -242,11 +260,12 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             return t
 
         counter = FlopCounterMode(display=False)
+        spy = _InPlaceSpy()
         result: Any = None
 
         def run_once() -> None:
             nonlocal result
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter, spy:
                 result = super(_ProfilingInterpreter, self).run_node(n)
 
         before = [(t, t._version) for a in n.all_input_nodes for t in _tensors(self.env.get(a))]
@@ -285,6 +304,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             "flops": flops,
             "time_ms": statistics.median(times),
             "mutating": mutating,
+            "writes_in_place": spy.writes_in_place,
         }
         if self.progress is not None:
             self.progress.step()
@@ -466,7 +486,7 @@ def _cost_nodes(
                 module=_module_of(n),
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
-                selective_save=kind == "compute" and _is_selective_save(n),
+                selective_save=kind == "compute" and _keepable(n, is_alias, rec),
             )
         )
     return tuple(nodes)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import linecache
 import logging
-import traceback
 from types import TracebackType
 from typing import Any
 

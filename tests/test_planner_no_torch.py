@@ -220,26 +220,20 @@ def test_selective_segment_keeps_matmul_outputs_and_recomputes_the_rest():
         ("mm1", 14 * MIB), ("relu", 18 * MIB), ("mm2", 18 * MIB)]
 
 
-def test_selective_plans_are_chosen_when_cheaper_and_stay_within_budget():
-    """Per graph the two searches can land on different sides of the ILP's conservative memory
-    account, so cost is compared over all graphs together."""
+def test_kept_outputs_only_lower_the_cost_and_stay_within_budget():
+    """The op-level pass starts from the ILP's plan, so per graph it can only save time."""
     found = 0
-    with_selective = without_selective = 0.0
     for seed in range(12):
         g = random_dag(seed, 14)
-        # the ILP's own minima (no local search), so the budgets leave room for selective plans
-        floor = max(minimum_peak_plan(g, selective=True, refine_s=0).predicted_peak_bytes,
-                    minimum_peak_plan(g, refine_s=0).predicted_peak_bytes)
-        budget = max(int(simulate(g).peak_bytes * 0.8), floor)
-        plan = solve(g, budget, selective=True, refine_s=0)  # the ILP's choice, before local search
+        budget = max(int(simulate(g).peak_bytes * 0.8), minimum_peak_plan(g).predicted_peak_bytes)
+        plan = solve(g, budget, selective=True)
+        plain = solve(g, budget)
         assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
+        assert plan.recompute_ms <= plain.recompute_ms + 1e-9
         for seg in plan.segments:
             assert set(seg.kept_nodes) <= set(seg.node_names)
             assert all(g.node(n).selective_save for n in seg.kept_nodes)
             expected = sum(g.node(n).time_ms for n in seg.node_names if n not in seg.kept_nodes)
             assert seg.recompute_ms == pytest.approx(expected)
-        found += sum(seg.selective for seg in plan.segments)
-        with_selective += plan.recompute_ms
-        without_selective += solve(g, budget, selective=False, refine_s=0).recompute_ms
-    assert found > 0, "no selective segment chosen on any random graph"
-    assert with_selective < without_selective
+        found += sum(len(seg.kept_nodes) for seg in plan.segments)
+    assert found > 0, "no output kept on any random graph"

@@ -166,7 +166,7 @@ def test_run_step_returns_output_and_fills_grads():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_selective_segment_keeps_matmuls_matches_prediction_and_gradients():
+def test_selective_segment_keeps_outputs_matches_prediction_and_gradients():
     from planner import simulate
     from planner.plan import Plan, Segment
     from profiling import profile_graph, trace_module
@@ -178,7 +178,8 @@ def test_selective_segment_keeps_matmuls_matches_prediction_and_gradients():
     compute = [n for n in graph.compute_nodes if n.recomputable]
     names = tuple(n.name for n in compute[2:-2])
     kept = tuple(n.name for n in compute[2:-2] if n.selective_save)
-    assert kept, "the linear layers are kept under the selective policy"
+    assert kept, "the profiler marks the linear layers and activations keepable"
+    assert not any(graph.node(n).is_random for n in kept)
     segment = Segment(names, 0.0, 0, kept_nodes=kept)
     predicted = simulate(graph, [segment]).peak_bytes
     plan = Plan(predicted, predicted, simulate(graph).peak_bytes, (segment,), 0.0, 0.0, 0, "manual", 0.0)

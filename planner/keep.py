@@ -1,0 +1,146 @@
+"""Op-level keep decisions: which nodes inside recomputed segments keep their outputs.
+
+A recomputed segment normally re-runs every node in its backward. Under a selective
+checkpoint policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) a node of
+the segment can instead keep what it produced from the forward: it is not re-run, and its
+outputs (and what autograd saved inside it) stay allocated from the forward until the
+segment's recompute. :func:`keep_outputs` makes that choice per node, as a knapsack judged by
+the simulator: nodes are tried in order of measured time saved per byte held (expensive
+matmuls before cheap pointwise ops with large outputs), and each is kept when the replayed
+peak still fits the budget. Only nodes the profiler marked ``selective_save`` are candidates:
+views and in-place ops (keeping a view holds its base; they cost no time), ops that write
+their own intermediates in place (the policy's cache refuses them) and random ops (skipping
+one in the recompute would shift the random numbers of the ops after it).
+
+The result never recomputes more than its input: the segments are the same, only nodes are
+taken out of the recompute.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    >>> for i, (ms, mib) in enumerate([(8.0, 1), (1.0, 4)] * 3, start=1):  # slow-small, fast-large
+    ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
+    ...                           saved_storages=(i,), output_bytes=mib * 2**20, requires_grad=True,
+    ...                           time_ms=ms, selective_save=True))
+    >>> g = CostGraph(tuple(nodes), (Storage(0, 2**20, True), *(Storage(i, n.output_bytes)
+    ...               for i, n in enumerate(nodes) if i)), ("n6",))
+    >>> segments = [Segment(("n1", "n2"), 9.0, 0), Segment(("n3", "n4"), 9.0, 0)]
+    >>> simulate(g).peak_bytes // 2**20, simulate(g, segments).peak_bytes // 2**20
+    (21, 19)
+    >>> kept = keep_outputs(g, segments, budget_bytes=20 * 2**20)
+    >>> [s.kept_nodes for s in kept], sum(s.recompute_ms for s in kept)
+    ([('n1', 'n2'), ('n3',)], 1.0)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from planner.costgraph import CostGraph
+from planner.plan import Segment
+from planner.simulate import simulate
+
+__all__ = ["keep_outputs", "segment_with_kept"]
+
+log = logging.getLogger(__name__)
+
+#: nodes faster than this share of the recomputed time are not worth a keep decision
+MIN_TIME_SHARE = 1e-4
+
+
+def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str] | frozenset[str]) -> Segment:
+    """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts the rest.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, flops=10), CostNode("b", "op", time_ms=1.0)), ())
+        >>> segment_with_kept(g, ("a", "b"), {"a"})
+        Segment(node_names=('a', 'b'), recompute_ms=1.0, recompute_flops=0, kept_nodes=('a',))
+    """
+    rerun = [graph.nodes[graph.index[name]] for name in node_names if name not in kept]
+    return Segment(
+        tuple(node_names),
+        float(sum(n.time_ms for n in rerun)),
+        sum(n.flops for n in rerun),
+        tuple(name for name in node_names if name in kept),
+    )
+
+
+def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int, str]]:
+    """``(segment index, node name)`` of nodes worth keeping, most time saved per byte first."""
+    sizes = graph.storage_by_key
+    total_ms = sum(s.recompute_ms for s in segments) or 1.0
+    scored: list[tuple[float, int, str]] = []
+    for s, seg in enumerate(segments):
+        for name in seg.node_names:
+            node = graph.nodes[graph.index[name]]
+            if name in seg.kept_nodes or not node.selective_save or node.time_ms < MIN_TIME_SHARE * total_ms:
+                continue
+            held = {k for k in (*node.output_storages, *node.saved_storages) if not sizes[k].persistent}
+            held_bytes = sum(sizes[k].size_bytes for k in held)
+            scored.append((node.time_ms / max(held_bytes, 1), s, name))
+    scored.sort(key=lambda t: (-t[0], t[1], t[2]))
+    return [(s, name) for _, s, name in scored]
+
+
+def keep_outputs(
+    graph: CostGraph,
+    segments: Sequence[Segment],
+    budget_bytes: int,
+    *,
+    time_limit_s: float = 5.0,
+) -> list[Segment]:
+    """``segments`` with the nodes whose outputs are worth keeping marked as kept.
+
+    Candidates are tried in order of measured forward time per byte they would hold. Runs of
+    candidates are added at once while the replayed peak fits (doubling the run), and halved
+    when it does not, so a graph with thousands of candidates needs few replays; a single
+    candidate that does not fit is skipped. Stops after ``time_limit_s`` with what it has.
+    The returned plan's simulated peak is at most ``budget_bytes`` whenever the input's is.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        ...                CostNode("a", "op", input_names=("x",), output_storages=(1,), saved_storages=(1,),
+        ...                         output_bytes=100, requires_grad=True, time_ms=5.0, selective_save=True)),
+        ...               (Storage(0, 100, True), Storage(1, 100)), ("a",))
+        >>> keep_outputs(g, [Segment(("a",), 5.0, 0)], budget_bytes=10**6)[0].recompute_ms
+        0.0
+    """
+    started = time.perf_counter()
+    segments = list(segments)
+    if not segments:
+        return segments
+    kept = [set(seg.kept_nodes) for seg in segments]
+
+    def build() -> list[Segment]:
+        return [segment_with_kept(graph, seg.node_names, k) for seg, k in zip(segments, kept)]
+
+    def fits() -> bool:
+        return simulate(graph, build()).peak_bytes <= budget_bytes
+
+    order = _candidates(graph, segments)
+    position, run, replays = 0, 1, 0
+    while position < len(order) and time.perf_counter() - started < time_limit_s:
+        chunk = order[position : position + run]
+        for s, name in chunk:
+            kept[s].add(name)
+        replays += 1
+        if fits():
+            position += len(chunk)
+            run *= 2
+            continue
+        for s, name in chunk:
+            kept[s].discard(name)
+        if run == 1:
+            position += 1  # this one does not fit; later, smaller ones may
+        run = max(1, run // 2)
+    result = build()
+    if not fits():  # only when the input itself did not fit: hand it back unchanged
+        return list(segments)
+    log.info("kept %d node outputs in %d segments (%d replays, %.2f s): recompute %.1f -> %.1f ms",
+             sum(len(k) for k in kept), len(segments), replays, time.perf_counter() - started,
+             sum(s.recompute_ms for s in segments), sum(s.recompute_ms for s in result))
+    return result
