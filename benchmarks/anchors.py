@@ -52,7 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from common import GIB, MIB, ROOT, checkpoint_every_k, find_layers, step_time_ratios, to_device  # noqa: E402
+from common import (GIB, MIB, ROOT, checkpoint_every_k, find_layers, step_time_ratios, to_device,  # noqa: E402
+                    write_readme_section)
 from models import ResidualMLP, bert, cnn, gpt2, llama, vit  # noqa: E402
 
 from planner import InfeasibleBudgetError, optimize  # noqa: E402
@@ -430,16 +431,6 @@ def plot(rows: list[Row], model: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write_readme(text: str, readme: Path) -> None:
-    """Replace what lies between the README's anchor markers with ``text`` (read right before writing)."""
-    content = readme.read_text()
-    if README_BEGIN not in content or README_END not in content:
-        raise SystemExit(f"{readme} has no {README_BEGIN} ... {README_END} markers")
-    head, rest = content.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_BEGIN}\n{text}{README_END}{tail}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}, fewer budgets and "
@@ -496,7 +487,8 @@ def main() -> None:
     print(text)
     if args.readme:
         image_dir = os.path.relpath(out.resolve(), ROOT) + "/"
-        write_readme(markdown(rows, infos, device, mode, fractions, repeats, wall_s, image_dir), ROOT / "README.md")
+        write_readme_section(markdown(rows, infos, device, mode, fractions, repeats, wall_s, image_dir), ROOT / "README.md",
+                             README_BEGIN, README_END)
     log.info("wrote %s (%.1f min)", out, (time.perf_counter() - started) / 60)
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "step_seconds",
     "step_time_ratios",
     "to_device",
+    "write_readme_section",
 ]
 
 MIB = 2**20
@@ -157,3 +158,14 @@ def to_device(model: torch.nn.Module, example: Any, device: torch.device | str) 
     device = torch.device(device)
     model.to(device)
     return model, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
+
+
+def write_readme_section(text: str, readme: Path, begin: str, end: str) -> None:
+    """Replace what lies between the ``begin`` and ``end`` marker lines of ``readme`` with ``text``
+    (the file is read right before writing)."""
+    content = readme.read_text()
+    if begin not in content or end not in content:
+        raise SystemExit(f"{readme} has no {begin} ... {end} markers")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{begin}\n{text}{end}{tail}")

@@ -10,7 +10,9 @@ matmuls before cheap pointwise ops with large outputs), and each is kept when th
 peak still fits the budget. Only nodes the profiler marked ``selective_save`` are candidates:
 views and in-place ops (keeping a view holds its base; they cost no time), ops that write
 their own intermediates in place (the policy's cache refuses them) and random ops (skipping
-one in the recompute would shift the random numbers of the ops after it).
+one in the recompute would shift the random numbers of the ops after it). Nodes after a segment's last
+node that saves something for backward are not candidates either: the recompute stops before
+them, so they never re-run.
 
 The result never recomputes more than its input: the segments are the same, only nodes are
 taken out of the recompute.
@@ -74,8 +76,11 @@ def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int
     total_ms = sum(s.recompute_ms for s in segments) or 1.0
     scored: list[tuple[float, int, str]] = []
     for s, seg in enumerate(segments):
-        for name in seg.node_names:
-            node = graph.nodes[graph.index[name]]
+        members = [graph.nodes[graph.index[name]] for name in seg.node_names]
+        # the recompute stops after the last node that saved something: later ones never re-run
+        last_saving = max((i for i, n in enumerate(members) if n.saved_storages), default=-1)
+        for node in members[: last_saving + 1]:
+            name = node.name
             if name in seg.kept_nodes or not node.selective_save or node.time_ms < MIN_TIME_SHARE * total_ms:
                 continue
             held = {k for k in (*node.output_storages, *node.saved_storages) if not sizes[k].persistent}

@@ -1,0 +1,197 @@
+"""Planner quality against the bars: at checkpoint-every-layer's peak, and at half the peak.
+
+For each model: the unoptimized step; checkpoint-every-layer (each repeated layer under
+non-reentrant ``torch.utils.checkpoint``, what HuggingFace's ``gradient_checkpointing_enable()``
+does, ``common.checkpoint_every_k``); and ``optimize`` (segments only, and ``selective=True``:
+op-level kept outputs) with the budget set to (a) every-layer's measured peak and (b) 50 % of
+the measured unoptimized peak. A budget no plan reaches is planned at the smallest feasible
+budget instead (marked). Peak at the allocator, extra FLOPs from FlopCounterMode, step time as
+a ratio to the unoptimized step (interleaved repeats in one process, median).
+
+Bars: at every-layer's peak, extra step time at most 60 % of every-layer's extra time and
+extra FLOPs at most 70 % of its extra FLOPs; at 50 %, extra step time at most 10 %; every
+measured peak within its budget. Each plan row also gives the planner's predicted overhead
+and ``planner.bounds.recompute_lower_bound_ms`` for its budget, both in the profile's time
+(sum of per-node forward times over the profiled step): no plan that recomputes nodes can
+predict less than the bound.
+
+    python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common import GIB, MIB, ROOT, checkpoint_every_k, step_time_ratios, write_readme_section
+from models import bert, gpt2, llama, residual_mlp
+
+from planner import InfeasibleBudgetError, optimize
+from planner.bounds import recompute_lower_bound_ms
+from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes
+
+log = logging.getLogger("quality")
+
+MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
+    "gpt2": ("GPT2LMHeadModel, 4 layers, width 256, 4 heads, vocab 4096, batch 8 x 256", gpt2),
+    "llama": ("LlamaForCausalLM, 4 layers, width 256, 4 heads, vocab 4096, batch 4 x 256", llama),
+    "bert": ("BertForMaskedLM, 4 layers, width 256, 4 heads, vocab 4096, batch 8 x 256", bert),
+    "mlp": ("residual MLP, 8 blocks, width 256, hidden 1024, dropout 0.1, batch 2048", residual_mlp),
+    "gpt2_768": ("GPT2LMHeadModel at GPT-2 small's width: 4 layers, width 768, 12 heads, vocab 8192, batch 4 x 256",
+                 lambda: gpt2(batch=4, width=768, heads=12, vocab=8192)),
+}
+README_BEGIN = "<!-- benchmarks/quality.py --readme: begin -->"
+README_END = "<!-- benchmarks/quality.py --readme: end -->"
+
+
+@dataclasses.dataclass
+class PlanRow:
+    model: str
+    target: str  # "every-layer peak" or "50 %"
+    method: str  # "planner" or "planner, selective"
+    budget_bytes: int
+    planned_at_minimum: bool
+    peak_bytes: int
+    extra_flops: int
+    predicted_overhead: float
+    lower_bound_overhead: float
+    solve_s: float
+    step_time: float = float("nan")
+
+
+@dataclasses.dataclass
+class ModelResult:
+    name: str
+    base_peak_bytes: int
+    base_flops: int
+    every_peak_bytes: int
+    every_extra_flops: int
+    every_step_time: float = float("nan")
+    rows: list[PlanRow] = dataclasses.field(default_factory=list)
+
+
+def _planned(model: torch.nn.Module, example: Any, budget_bytes: int, selective: bool,
+             cache_dir: str) -> tuple[torch.nn.Module, bool]:
+    try:
+        return optimize(model, example, budget_gb=budget_bytes / GIB, selective=selective, cache_dir=cache_dir), False
+    except InfeasibleBudgetError as exc:
+        log.info("%d bytes infeasible; planning at the smallest feasible budget %d", budget_bytes,
+                 exc.min_feasible_bytes)
+        return optimize(model, example, budget_gb=exc.min_feasible_bytes / GIB, selective=selective,
+                        cache_dir=cache_dir), True
+
+
+def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
+    model, example = MODELS[name][1]()
+    inputs = StepInputs.from_example(example)
+    every = checkpoint_every_k(model, 1)
+    base_peak = measure_step_peak_bytes(model, inputs)
+    base_flops = measure_step_flops(model, inputs)
+    result = ModelResult(name, base_peak, base_flops, measure_step_peak_bytes(every, inputs),
+                         measure_step_flops(every, inputs) - base_flops)
+    modules: list[torch.nn.Module] = [model, every]
+    for target, budget in (("every-layer peak", result.every_peak_bytes), ("50 %", base_peak // 2)):
+        for selective in (False, True):
+            started = time.perf_counter()
+            opt, at_minimum = _planned(model, example, budget, selective, cache_dir)
+            plan, graph = opt.plan, opt.cost_graph
+            bound_ms = recompute_lower_bound_ms(graph, int(plan.budget_bytes * 0.99))
+            result.rows.append(PlanRow(
+                model=name, target=target, method="planner, selective" if selective else "planner",
+                budget_bytes=plan.budget_bytes, planned_at_minimum=at_minimum,
+                peak_bytes=measure_step_peak_bytes(opt, inputs),
+                extra_flops=measure_step_flops(opt, inputs) - base_flops,
+                predicted_overhead=plan.overhead_ratio, lower_bound_overhead=bound_ms / graph.step_ms,
+                solve_s=time.perf_counter() - started))
+            modules.append(opt)
+            log.info("%s %s %s: planned", name, target, "selective" if selective else "segments")
+    ratios = step_time_ratios(modules, inputs, repeats)
+    result.every_step_time = ratios[1]
+    for row, ratio in zip(result.rows, ratios[2:]):
+        row.step_time = ratio
+    return result
+
+
+def _verdicts(result: ModelResult, row: PlanRow) -> list[str]:
+    out = [] if row.peak_bytes <= row.budget_bytes else ["OVER BUDGET"]
+    if row.target == "50 %":
+        extra = row.step_time - 1
+        out.append(f"time +{extra:.1%} {'<=' if extra <= 0.10 else '>'} 10 %: {'met' if extra <= 0.10 else 'missed'}")
+        return out
+    every_time, every_flops = result.every_step_time - 1, result.every_extra_flops
+    time_share = (row.step_time - 1) / every_time if every_time > 0 else float("nan")
+    flop_share = row.extra_flops / every_flops if every_flops > 0 else float("nan")
+    out.append(f"time {time_share:.0%} of every-layer's (bar 60 %): {'met' if time_share <= 0.6 else 'missed'}")
+    out.append(f"FLOPs {flop_share:.0%} (bar 70 %): {'met' if flop_share <= 0.7 else 'missed'}")
+    return out
+
+
+def markdown(results: list[ModelResult], repeats: int, threads: int, wall_s: float) -> str:
+    lines = [
+        f"CPU, {threads} thread(s), torch {torch.__version__}, {repeats} interleaved timing repeats, "
+        f"wall time {wall_s / 60:.1f} min.",
+        "",
+        "| model | target | method | budget | measured peak | extra FLOPs | step time | predicted overhead "
+        "| lower bound | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r.name} | - | none | - | {r.base_peak_bytes / MIB:.1f} MiB | 0 | 1.00x | - | - | - |")
+        lines.append(f"| {r.name} | - | every layer | - | {r.every_peak_bytes / MIB:.1f} MiB "
+                     f"({r.every_peak_bytes / r.base_peak_bytes:.2f}) | +{r.every_extra_flops / r.base_flops:.1%} "
+                     f"| {r.every_step_time:.2f}x | - | - | - |")
+        for row in r.rows:
+            budget = f"{row.budget_bytes / MIB:.1f} MiB" + (" (smallest feasible)" if row.planned_at_minimum else "")
+            lines.append(
+                f"| {r.name} | {row.target} | {row.method} | {budget} | {row.peak_bytes / MIB:.1f} MiB "
+                f"({row.peak_bytes / r.base_peak_bytes:.2f}) | +{row.extra_flops / r.base_flops:.1%} "
+                f"| {row.step_time:.2f}x | +{row.predicted_overhead:.1%} | +{row.lower_bound_overhead:.1%} "
+                f"| {'; '.join(_verdicts(r, row))} |")
+    lines.append("")
+    lines.append("Models: " + "; ".join(f"**{r.name}**: {MODELS[r.name][0]}" for r in results) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: steadier timings)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("profiling", "planner", "rewrite", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    results: list[ModelResult] = []
+    with tempfile.TemporaryDirectory(prefix="quality-profiles-") as cache_dir:
+        for name in args.models:
+            results.append(run_model(name, args.repeats, cache_dir))
+            log.info("%s done at %.0f s", name, time.perf_counter() - started)
+    import pandas
+
+    rows = [{**dataclasses.asdict(row), "every_step_time": r.every_step_time, "every_peak_bytes": r.every_peak_bytes,
+             "every_extra_flops": r.every_extra_flops, "base_peak_bytes": r.base_peak_bytes,
+             "base_flops": r.base_flops} for r in results for row in r.rows]
+    args.out.mkdir(parents=True, exist_ok=True)
+    pandas.DataFrame(rows).to_csv(args.out / "quality.csv", index=False)
+    text = markdown(results, args.repeats, args.threads, time.perf_counter() - started)
+    (args.out / "quality.md").write_text(text)
+    print(text)
+    if args.readme:
+        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+
+
+if __name__ == "__main__":
+    main()
