@@ -243,6 +243,33 @@ def test_against_brute_force_on_random_dags_of_8_nodes():
     assert matches >= 0.9 * cases, f"{matches} of {cases} plans match brute force"
 
 
+def test_lower_bound_never_exceeds_brute_force_or_the_planner():
+    """``recompute_lower_bound_ms`` is below the cost of every plan that fits (brute force over
+    all segment sets, and the planner's with kept outputs), infinite only when none fits, and
+    zero when nothing has to be freed."""
+    from planner.bounds import recompute_lower_bound_ms
+
+    positive = 0
+    for seed in range(12):
+        g = random_dag(seed, 8)
+        unoptimized = simulate(g).peak_bytes
+        assert recompute_lower_bound_ms(g, unoptimized) == 0.0
+        for fraction in (0.6, 0.75, 0.9):
+            budget = int(unoptimized * fraction)
+            bound = recompute_lower_bound_ms(g, budget)
+            best_cost, _ = _brute_force(g, budget)
+            if best_cost is None:
+                continue
+            assert bound <= best_cost + 1e-9
+            positive += bound > 0
+            try:
+                plan = solve(g, budget, selective=True)
+            except InfeasibleBudgetError:
+                continue  # a budget the local search misses (see the brute-force test above)
+            assert bound <= plan.recompute_ms + 1e-9
+    assert positive > 10, "the bound is informative on most cases"
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sweep_cost_never_rises_with_the_budget_and_the_roomiest_recomputes_nothing(seed):
     from planner.sweep import sweep

@@ -57,9 +57,10 @@ def assert_same_step(model, opt, inputs, seed: int = 0) -> None:
     assert torch.equal(rng_a, rng_b), "the step left the global RNG in another state"
 
 
-def recompute_everything(model, inputs) -> CheckpointedModule:
+def recompute_everything(model, inputs, keep: bool = False) -> CheckpointedModule:
     """Checkpoint every run of recomputable nodes (the harshest plan), bypassing the solver but
-    not the planner's rules (:func:`plan_for_budget` applies ``protect_reads_before_writes``)."""
+    not the planner's rules (:func:`plan_for_budget` applies ``protect_reads_before_writes``).
+    With ``keep``, every node the profiler marks keepable keeps its outputs (selective policy)."""
     gm = trace_module(model, inputs)
     graph = protect_reads_before_writes(profile_graph(gm, inputs, fake=True))
     runs: list[list[str]] = [[]]
@@ -68,7 +69,8 @@ def recompute_everything(model, inputs) -> CheckpointedModule:
             runs[-1].append(node.name)
         elif runs[-1]:
             runs.append([])
-    segments = tuple(Segment(tuple(run), 0.0, 0) for run in runs if run)
+    segments = tuple(Segment(tuple(run), 0.0, 0, tuple(n for n in run if keep and graph.node(n).selective_save))
+                     for run in runs if run)
     peak = simulate(graph, segments).peak_bytes
     plan = Plan(peak, peak, simulate(graph).peak_bytes, segments, 0.0, 0.0, 0, "manual", 0.0)
     return CheckpointedModule(apply_plan(gm, plan), model, plan, cost_graph=graph, example_inputs=inputs)
@@ -261,6 +263,20 @@ def gpt2_planned():
     peak = peak_of(model, inputs)
     opt = optimize(model, inputs, budget_gb=0.7 * peak / 2**30, **FAST)
     return model, inputs, opt
+
+
+@pytest.mark.parametrize("which", ["net", "gpt2"])
+def test_every_node_marked_keepable_can_be_kept_with_identical_training(which):
+    """The profiler's ``selective_save`` marks are what the op-level planner may keep: keeping
+    all of them at once (dropout and attention excluded: random, and writing their own
+    intermediates in place) runs under the selective policy and trains bitwise identically."""
+    model, inputs = make_net(batch=64) if which == "net" else _tiny_gpt2(2, 16)
+    opt = recompute_everything(model, inputs, keep=True)
+    kept = {n for seg in opt.plan.segments for n in seg.kept_nodes}
+    assert kept, "some nodes are keepable"
+    ops = {opt.cost_graph.node(n).op for n in kept}
+    assert not any("dropout" in op or "attention" in op for op in ops), ops
+    assert_same_step(model, opt, inputs, seed=3)
 
 
 def test_gpt2_tied_embedding_stays_tied_and_trains_identically(gpt2_planned):
