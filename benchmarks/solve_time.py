@@ -2,7 +2,7 @@
 
 The graphs come from HuggingFace GPT-2 configs with many layers, captured with torch.export and
 profiled on fake tensors (so no real memory is used); the solve is timed alone, at 50 % of the
-unoptimized peak.
+unoptimized peak, without and with the op-level kept outputs (``selective=True``).
 
     python benchmarks/solve_time.py [--layers 15 72]
 """
@@ -30,8 +30,9 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.5)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    print("| layers | graph nodes | capture + fake profile | solve at 50 % | stages | segments | predicted peak / budget |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layers | graph nodes | capture + fake profile | solve at 50 % | stages | segments | predicted peak / budget "
+          "| solve, selective | kept outputs | predicted recompute, selective / segments only |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         model, example = gpt2(batch=4, seq_len=128, layers=layers)
         t0 = time.perf_counter()
@@ -41,8 +42,13 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = solve(graph, budget)
         solve_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        kept = solve(graph, budget, selective=True)
+        selective_s = time.perf_counter() - t0
         print(f"| {layers} | {len(graph.nodes)} | {prepared_s:.1f} s | {solve_s:.1f} s | 32 | {len(plan.segments)} "
-              f"| {plan.predicted_peak_bytes / budget:.3f} |", flush=True)
+              f"| {plan.predicted_peak_bytes / budget:.3f} | {selective_s:.1f} s "
+              f"| {sum(len(s.kept_nodes) for s in kept.segments)} | {kept.recompute_ms / plan.recompute_ms:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

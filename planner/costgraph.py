@@ -71,6 +71,8 @@ class CostNode:
         selective_save: a selective checkpoint policy can keep this node's outputs from the
             forward instead of recomputing them (a function call that aliases no input, writes
             nothing in place and draws no random numbers); :mod:`planner.keep` decides which.
+        viewed_storages: storages of its inputs that ops inside the node return views of (a
+            linear reshapes its input): a selective policy keeping the node holds them too.
     """
 
     name: str
@@ -90,6 +92,7 @@ class CostNode:
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
     selective_save: bool = False
+    viewed_storages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:

@@ -141,9 +141,11 @@ def optimize(
         safety_margin: fraction of the budget kept free for what the memory model does not see
             (allocator rounding, small temporaries); the plan's predicted peak stays below
             ``budget * (1 - safety_margin)``.
-        selective: also consider segments that keep their matmul outputs (a selective
-            checkpoint policy) and recompute only the rest: fewer recomputed FLOPs, but a per-op
-            dispatch overhead that made CPU steps slower in our measurements.
+        selective: after choosing segments, decide node by node which outputs inside them
+            are kept from the forward (a selective checkpoint policy) instead of recomputed,
+            by measured time per byte held (:mod:`planner.keep`). Fewer recomputed FLOPs;
+            slower to plan (a second ILP for the smallest-peak segments); see the README for
+            what it measured.
         world_size: plan the per-rank peak with parameters and their gradients sharded over this
             many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
         cache_dir: a folder for profiles (JSON, keyed by a fingerprint of the graph, input shapes,

@@ -147,6 +147,9 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
             kept.append(frozenset())
     seg_indices = validate_segments(graph, names)
     cached: list[set[int]] = [set() for _ in seg_indices]
+    # storages of a kept node's inputs that ops inside it returned views of (a linear's reshaped
+    # input): the policy's cache holds them until the segment is recomputed
+    cache_views: list[list[int]] = [[] for _ in seg_indices]
     nodes = graph.nodes
     sizes = graph.storage_by_key
     persistent = {k for k, s in sizes.items() if s.persistent}
@@ -194,6 +197,10 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
                 if keep_output:
                     cached[s].add(k)
                     mem.hold(k)  # the selective policy's cache, emptied by the recompute
+        if keep_output:
+            for k in set(node.viewed_storages) - persistent - cached[s]:
+                mem.hold(k)
+                cache_views[s].append(k)
         if s is None:
             for k in set(node.saved_storages) - persistent:
                 mem.hold(k)
@@ -231,6 +238,8 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
         if runs_backward and s is not None and s not in recomputed and node.saved_storages:
             recomputed.add(s)
             _recompute(graph, seg_indices[s], seg_inputs[s], cached[s], persistent, mem)
+            for k in cache_views[s]:
+                mem.release(k)
         if runs_backward:
             transient = 0
             new_bytes = 0

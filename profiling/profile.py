@@ -134,23 +134,31 @@ def _updates_running_stats(node: torch.fx.Node) -> bool:
     return bool(training and training[0]) or node.kwargs.get("training", False) is True
 
 
-class _InPlaceSpy(TorchDispatchMode):
-    """Notes whether any op dispatched inside a node writes one of its arguments in place.
+class _DispatchSpy(TorchDispatchMode):
+    """Watches the ops dispatched inside one node for what a selective checkpoint policy would
+    cache if the node were kept: the outputs of every one of them.
 
-    A selective checkpoint policy caches the outputs of every op of a kept node and refuses
-    (at recompute) a cached tensor that was modified in place afterwards, which composite ops
-    such as CPU dropout and attention do to their own intermediates.
+    ``writes_in_place``: some op writes an argument in place; the policy refuses (at recompute)
+    a cached tensor modified afterwards, which composite ops such as CPU dropout and attention
+    do to their own intermediates. ``input_views``: op outputs that are views of the node's
+    inputs (a linear reshaping its input); cached, they hold the input's storage.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, input_storages: set[int]) -> None:
         super().__init__()
+        self.input_storages = input_storages
         self.writes_in_place = False
+        self.input_views: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
             self.writes_in_place = True
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if t.untyped_storage()._cdata in self.input_storages:
+                self.input_views.append(t)
+        return out
 
 
 def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bool:
@@ -158,6 +166,8 @@ def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bo
     instead of recomputing them (:mod:`planner.keep`): a function call that writes nothing in
     place, aliases no input and draws no random numbers (skipping a random op in the recompute
     would shift the random stream of the ops after it)."""
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False  # a wrapped subgraph (e.g. torch.no_grad regions), not one op
     return (node.op == "call_function" and not is_alias and not record["mutating"]
             and not record["writes_in_place"] and not _is_random(node))
 
@@ -260,7 +270,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             return t
 
         counter = FlopCounterMode(display=False)
-        spy = _InPlaceSpy()
+        spy = _DispatchSpy({t.untyped_storage()._cdata for a in n.all_input_nodes for t in _tensors(self.env.get(a))})
         result: Any = None
 
         def run_once() -> None:
@@ -305,6 +315,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             "time_ms": statistics.median(times),
             "mutating": mutating,
             "writes_in_place": spy.writes_in_place,
+            "input_views": spy.input_views,
         }
         if self.progress is not None:
             self.progress.step()
@@ -487,6 +498,8 @@ def _cost_nodes(
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 selective_save=kind == "compute" and _keepable(n, is_alias, rec),
+                viewed_storages=tuple(dict.fromkeys(
+                    k for t in rec["input_views"] if (k := table.key(t)) is not None)) if kind == "compute" else (),
             )
         )
     return tuple(nodes)
