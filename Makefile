@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup example test test-fast table anchors anchors-quick
+.PHONY: setup example test test-fast table anchors anchors-quick quality
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -29,3 +29,6 @@ anchors: setup
 
 anchors-quick: setup
 	$(PY) benchmarks/anchors.py --quick
+
+quality: setup
+	$(PY) benchmarks/quality.py --readme
