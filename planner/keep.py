@@ -30,8 +30,8 @@ Example:
     >>> simulate(g).peak_bytes // 2**20, simulate(g, segments).peak_bytes // 2**20
     (21, 19)
     >>> kept = keep_outputs(g, segments, budget_bytes=20 * 2**20)
-    >>> [s.kept_nodes for s in kept], sum(s.recompute_ms for s in kept)
-    ([('n1', 'n2'), ('n3',)], 1.0)
+    >>> [s.kept_nodes for s in kept], sum(s.recompute_ms for s in kept)  # n2, n4 end their segments
+    ([('n1',), ('n3',)], 2.0)
 """
 
 from __future__ import annotations
@@ -111,10 +111,12 @@ def keep_outputs(
         >>> from planner.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
         ...                CostNode("a", "op", input_names=("x",), output_storages=(1,), saved_storages=(1,),
-        ...                         output_bytes=100, requires_grad=True, time_ms=5.0, selective_save=True)),
-        ...               (Storage(0, 100, True), Storage(1, 100)), ("a",))
-        >>> keep_outputs(g, [Segment(("a",), 5.0, 0)], budget_bytes=10**6)[0].recompute_ms
-        0.0
+        ...                         output_bytes=100, requires_grad=True, time_ms=5.0, selective_save=True),
+        ...                CostNode("b", "op", input_names=("a",), output_storages=(2,), saved_storages=(2,),
+        ...                         output_bytes=100, requires_grad=True, time_ms=1.0, selective_save=True)),
+        ...               (Storage(0, 100, True), Storage(1, 100), Storage(2, 100)), ("b",))
+        >>> keep_outputs(g, [Segment(("a", "b"), 6.0, 0)], budget_bytes=10**6)[0].kept_nodes
+        ('a',)
     """
     started = time.perf_counter()
     segments = list(segments)
