@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.35])
     parser.add_argument("--selective", action="store_true",
-                        help="let the planner keep matmul outputs inside segments (optimize(selective=True))")
+                        help="let the planner keep outputs inside segments, op by op (optimize(selective=True))")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats")
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     args = parser.parse_args()
