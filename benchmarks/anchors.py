@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from common import (GIB, MIB, ROOT, checkpoint_every_k, find_layers, step_time_ratios, to_device,  # noqa: E402
-                    write_readme_section)
+                    write_readme_section, benchmark_logging)
 from models import ResidualMLP, bert, cnn, gpt2, llama, vit  # noqa: E402
 
 from planner import InfeasibleBudgetError, optimize  # noqa: E402
@@ -448,10 +448,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results, quick: benchmarks/results/quick)")
     parser.add_argument("--readme", action="store_true", help="also write anchors.md into README.md's section")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("profiling", "planner", "rewrite", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+    benchmark_logging()
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)

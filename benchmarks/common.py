@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from profiling import StepInputs, run_step  # noqa: E402
 
 __all__ = [
     "MIB",
+    "benchmark_logging",
     "GIB",
     "ROOT",
     "checkpoint_every_k",
@@ -169,3 +172,11 @@ def write_readme_section(text: str, readme: Path, begin: str, end: str) -> None:
     head, rest = content.split(begin, 1)
     _, tail = rest.split(end, 1)
     readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
+
+
+def benchmark_logging() -> None:
+    """INFO lines with times from the benchmark scripts; only warnings from the library."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("profiling", "planner", "rewrite", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*global hooks on modules.*")

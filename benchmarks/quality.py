@@ -25,13 +25,13 @@ import dataclasses
 import logging
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from common import GIB, MIB, ROOT, checkpoint_every_k, step_time_ratios, write_readme_section
+from common import (GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, step_time_ratios,
+                    write_readme_section)
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
@@ -168,10 +168,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("profiling", "planner", "rewrite", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+    benchmark_logging()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     results: list[ModelResult] = []
