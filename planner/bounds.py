@@ -18,8 +18,6 @@ Example:
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
     ...                           saved_storages=(i,), output_bytes=100, requires_grad=True, time_ms=ms))
     >>> g = CostGraph(tuple(nodes), (Storage(0, 100, True), *(Storage(i, 100) for i in (1, 2, 3))), ("n3",))
-    >>> live_at_backward_start_bytes(g)  # x, n1 and n2 saved, n3 returned, n3's gradient
-    500
     >>> simulate(g).peak_bytes  # at n3's backward: n3's gradient and n2's next to it
     600
     >>> recompute_lower_bound_ms(g, 450)  # 150 bytes to free: n2 (1 ms) and half of n1 (2 ms)
@@ -31,24 +29,12 @@ from __future__ import annotations
 from planner.costgraph import CostGraph
 from planner.simulate import simulate
 
-__all__ = ["live_at_backward_start_bytes", "recompute_lower_bound_ms"]
+__all__ = ["recompute_lower_bound_ms"]
 
 
 def _returned_storages(graph: CostGraph) -> set[int]:
     persistent = {s.key for s in graph.storages if s.persistent}
     return {k for name in graph.output_names for k in graph.node(name).output_storages} - persistent
-
-
-def live_at_backward_start_bytes(graph: CostGraph) -> int:
-    """Bytes allocated when the unoptimized backward starts: parameters, buffers and inputs,
-    the returned outputs, every storage saved for backward, and the loss gradient."""
-    sizes = graph.storage_by_key
-    held = _returned_storages(graph)
-    held |= {k for n in graph.nodes for k in n.saved_storages if not sizes[k].persistent}
-    differentiable = {n.name for n in graph.nodes if n.requires_grad}
-    starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
-    loss_grads = sum(graph.node(n).output_bytes for n in starts if n in differentiable)
-    return graph.persistent_bytes + sum(sizes[k].size_bytes for k in held) + loss_grads
 
 
 def _knapsack_ms(options: list[tuple[float, float, int]], needed_bytes: int) -> float:

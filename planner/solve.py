@@ -578,7 +578,7 @@ def _with_kept_outputs(
         if kept and cost < best.recompute_ms - 1e-9:
             peak = simulate(graph, kept).peak_bytes
             best = dataclasses.replace(plan, segments=tuple(kept), predicted_peak_bytes=peak, optimality_gap=None,
-                                       solver=f"{plan.solver.removesuffix(' + keep')} + keep")
+                                       solver=f"{plan.solver} + keep")
     return dataclasses.replace(best, solve_s=time.perf_counter() - started)
 
 
