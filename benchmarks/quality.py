@@ -13,7 +13,9 @@ extra FLOPs at most 70 % of its extra FLOPs; at 50 %, extra step time at most 10
 measured peak within its budget. Each plan row also gives the planner's predicted overhead
 and ``planner.bounds.recompute_lower_bound_ms`` for its budget, both in the profile's time
 (sum of per-node forward times over the profiled step): no plan that recomputes nodes can
-predict less than the bound.
+predict less than the bound. At every-layer's peak the verdict also gives the bound as a share
+of every-layer's recompute in the same time (the forward time of the layers' nodes): above 60 %
+the time bar is out of reach of any plan by the simulator's account.
 
     python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--readme]
 """
@@ -30,12 +32,13 @@ from typing import Any, Callable
 
 import torch
 
-from common import (GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, step_time_ratios,
+from common import (GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, step_time_ratios,
                     write_readme_section)
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
 from planner.bounds import recompute_lower_bound_ms
+from planner.costgraph import CostGraph
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes
 
 log = logging.getLogger("quality")
@@ -63,6 +66,7 @@ class PlanRow:
     extra_flops: int
     predicted_overhead: float
     lower_bound_overhead: float
+    lower_bound_ms: float
     solve_s: float
     step_time: float = float("nan")
 
@@ -74,6 +78,8 @@ class ModelResult:
     base_flops: int
     every_peak_bytes: int
     every_extra_flops: int
+    #: every-layer's recompute in the profile's time: the forward time of the layers' nodes
+    every_recompute_ms: float = float("nan")
     every_step_time: float = float("nan")
     rows: list[PlanRow] = dataclasses.field(default_factory=list)
 
@@ -89,10 +95,17 @@ def _planned(model: torch.nn.Module, example: Any, budget_bytes: int, selective:
                         cache_dir=cache_dir), True
 
 
+def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
+    """Forward time of the nodes inside the repeated layers ``layers_name`` (what
+    checkpoint-every-layer recomputes), in the profile's time."""
+    return sum(n.time_ms for n in graph.compute_nodes if n.module.startswith(f"{layers_name}."))
+
+
 def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
     model, example = MODELS[name][1]()
     inputs = StepInputs.from_example(example)
     every = checkpoint_every_k(model, 1)
+    layers_name, _ = find_layers(model)
     base_peak = measure_step_peak_bytes(model, inputs)
     base_flops = measure_step_flops(model, inputs)
     result = ModelResult(name, base_peak, base_flops, measure_step_peak_bytes(every, inputs),
@@ -103,6 +116,7 @@ def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
             started = time.perf_counter()
             opt, at_minimum = _planned(model, example, budget, selective, cache_dir)
             plan, graph = opt.plan, opt.cost_graph
+            result.every_recompute_ms = layers_forward_ms(graph, layers_name)
             bound_ms = recompute_lower_bound_ms(graph, int(plan.budget_bytes * 0.99))
             result.rows.append(PlanRow(
                 model=name, target=target, method="planner, selective" if selective else "planner",
@@ -110,6 +124,7 @@ def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
                 peak_bytes=measure_step_peak_bytes(opt, inputs),
                 extra_flops=measure_step_flops(opt, inputs) - base_flops,
                 predicted_overhead=plan.overhead_ratio, lower_bound_overhead=bound_ms / graph.step_ms,
+                lower_bound_ms=bound_ms,
                 solve_s=time.perf_counter() - started))
             modules.append(opt)
             log.info("%s %s %s: planned", name, target, "selective" if selective else "segments")
@@ -129,7 +144,9 @@ def _verdicts(result: ModelResult, row: PlanRow) -> list[str]:
     every_time, every_flops = result.every_step_time - 1, result.every_extra_flops
     time_share = (row.step_time - 1) / every_time if every_time > 0 else float("nan")
     flop_share = row.extra_flops / every_flops if every_flops > 0 else float("nan")
-    out.append(f"time {time_share:.0%} of every-layer's (bar 60 %): {'met' if time_share <= 0.6 else 'missed'}")
+    bound_share = row.lower_bound_ms / result.every_recompute_ms if result.every_recompute_ms > 0 else float("nan")
+    out.append(f"time {time_share:.0%} of every-layer's (bar 60 %; lower bound {bound_share:.0%}): "
+               f"{'met' if time_share <= 0.6 else 'missed'}")
     out.append(f"FLOPs {flop_share:.0%} (bar 70 %): {'met' if flop_share <= 0.7 else 'missed'}")
     return out
 

@@ -137,7 +137,8 @@ def optimize(
         max_stages: how many stages the graph is reduced to before the ILP.
         solver: ``"HiGHS"`` or ``"CBC"``; the best installed one when None.
         time_limit_s: solver time limit per solve.
-        timing_repeats: runs per node when timing it.
+        timing_repeats: warm training steps each node is timed in (after one untimed step);
+            the median is used (:mod:`profiling.node_times`).
         safety_margin: fraction of the budget kept free for what the memory model does not see
             (allocator rounding, small temporaries); the plan's predicted peak stays below
             ``budget * (1 - safety_margin)``.

@@ -2,7 +2,8 @@
 
 For each FX node: the storages its outputs live in, the storages autograd saves for backward
 while it runs (observed with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by
-storage), its output bytes, its forward time (CUDA events on a GPU, a repeated timer on CPU)
+storage), its output bytes, its forward time (CUDA events on a GPU, a timer on CPU; the median over warm passes of the
+whole step, :mod:`profiling.node_times`)
 and its FLOPs (``FlopCounterMode``), plus whether it draws random numbers or mutates state.
 The interpreter follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +41,7 @@ from profiling.measure import (
     run_step,
     unflatten_output,
 )
+from profiling.node_times import Timer, cpu_timer, time_nodes_in_passes
 from profiling.roofline import estimate_ms
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
@@ -187,7 +188,7 @@ def _module_of(node: torch.fx.Node) -> str:
     return str(node.target) if node.op == "call_module" else ""
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+def _timer(device: torch.device) -> Timer:
     if device.type == "cuda":
         def cuda_time(fn: Callable[[], Any]) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -197,13 +198,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
             torch.cuda.synchronize()
             return float(start.elapsed_time(end))
         return cuda_time
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return cpu_time
+    return cpu_timer
 
 
 def _signature(n: torch.fx.Node, inputs: list[tuple[torch.Tensor, int]], result: Any) -> tuple[Any, ...]:
@@ -244,14 +239,13 @@ def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
 class _ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
-    def __init__(self, gm: torch.fx.GraphModule, timing_repeats: int,
+    def __init__(self, gm: torch.fx.GraphModule,
                  device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  progress: NodeProgress | None = None, tracker: FakeAllocationTracker | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.progress = progress
         self.tracker = tracker
         self.to_fake = to_fake
-        self.timing_repeats = timing_repeats
         self.time = _timer(device)
         self.records: dict[str, dict[str, Any]] = {}
         self.buffer_ids = {id(to_fake(b) if to_fake else b) for b in gm.buffers()}
@@ -283,7 +277,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         if self.tracker is not None:
             self.tracker.node_started(n.name)
         try:
-            times = [self.time(run_once)]
+            first_run_ms = self.time(run_once)
         except Exception as exc:
             where = n.meta.get("stack_trace", "").strip().splitlines()[-1:] or [""]
             raise ProfileError(
@@ -299,20 +293,13 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             or any(not _same(t, copy) for t, copy in buffers_before)  # kernels that skip the version bump
             or _updates_running_stats(n)
         )
-        if n.op in ("call_function", "call_method") and not mutating and self.timing_repeats > 1:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            fn = getattr(args[0], n.target) if n.op == "call_method" else n.target
-            call_args = args[1:] if n.op == "call_method" else args
-            with torch.random.fork_rng(devices=[]):
-                for _ in range(self.timing_repeats - 1):
-                    times.append(self.time(lambda: fn(*call_args, **kwargs)))
         self.records[n.name] = {
             "signature": _signature(n, before, result),
             "run_once": n.op == "call_function" and n.target in RUN_ONCE_OPS,
             "result": result,
             "saved": saved,
             "flops": flops,
-            "time_ms": statistics.median(times),
+            "time_ms": first_run_ms,  # measured profiles replace it by warm passes (profiling.node_times)
             "mutating": mutating,
             "writes_in_place": spy.writes_in_place,
             "input_views": spy.input_views,
@@ -335,7 +322,9 @@ def profile_graph(
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
-    Nodes running the same op on the same shapes (one per layer in a transformer) get the median
+    Each node's time is its median over ``timing_repeats`` warm training steps run node by node
+    after an untimed one (:func:`profiling.node_times.time_nodes_in_passes`); nodes running the
+    same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
     model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
@@ -366,7 +355,7 @@ def profile_graph(
     node_count = len(gm.graph.nodes)
     bar = NodeProgress(node_count, f"profiling {node_count} nodes{' (fake)' if fake else ''}", bar=progress)
     tracker = FakeAllocationTracker() if fake else None
-    interp = _ProfilingInterpreter(gm, 1 if fake else timing_repeats, device, to_fake, bar, tracker)
+    interp = _ProfilingInterpreter(gm, device, to_fake, bar, tracker)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()), \
             (tracker if tracker is not None else contextlib.nullcontext()):
         try:
@@ -385,10 +374,13 @@ def profile_graph(
         _roofline_times(gm, interp, target)
         step_times: list[float] = []
     else:
+        timer = _timer(device)
+        progress_log.info("profiling: timing nodes in %d warm passes", timing_repeats)
+        for name, time_ms in time_nodes_in_passes(gm, flat, timing_repeats, timer).items():
+            interp.records[name]["time_ms"] = time_ms
         pooled = pool_repeated_op_times(interp.records)
         log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
         with preserved_state(gm):
-            timer = _timer(device)
             progress_log.info("profiling: timing %d steps", step_repeats)
             step_times = [timer(lambda: run_step(gm, inputs)) for _ in range(step_repeats)]
             progress_log.info("profiling: measuring per-node temporaries")

@@ -111,3 +111,29 @@ def test_profile_frame_has_a_row_per_node():
     assert len(frame) == len(graph.nodes)
     assert {"output_bytes", "saved_bytes", "time_ms", "flops"} <= set(frame.columns)
     assert frame["flops"].sum() == 2 * 32 * (8 * 16 + 16 * 4)
+
+
+def test_warm_pass_node_times_leave_the_model_as_it_was():
+    """Node times come from whole warm steps (profiling.node_times): every node that runs gets a
+    positive time; running statistics, gradients and the RNG stream are untouched."""
+    import doctest
+
+    import profiling.node_times
+    from profiling.node_times import cpu_timer, time_nodes_in_passes
+    from profiling.profile import flat_graph_inputs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(16, 4)).train()
+    x = torch.randn(32, 8)
+    gm = trace_module(model, (x,))
+    running_mean = [b.clone() for b in gm.buffers()]
+    rng = torch.get_rng_state()
+    times = time_nodes_in_passes(gm, flat_graph_inputs(gm, StepInputs.from_example((x,))), repeats=2,
+                                 timer=cpu_timer)
+    computed = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert set(computed) <= set(times) and all(times[name] > 0 for name in computed)
+    assert all(torch.equal(a, b) for a, b in zip(running_mean, gm.buffers()))
+    assert all(p.grad is None for p in gm.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert doctest.testmod(profiling.node_times).failed == 0
