@@ -44,7 +44,7 @@ from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.simulate import simulate
 
-__all__ = ["keep_outputs", "segment_with_kept"]
+__all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "segment_with_kept"]
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +70,59 @@ def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str
     )
 
 
+def keepable_in_segment(graph: CostGraph, node_names: Sequence[str]) -> list[str]:
+    """The nodes of a segment over ``node_names`` a selective policy may keep: those the
+    profiler marked ``selective_save``, before the segment's last node that saves something
+    for backward. The recompute stops after that node, so later ones never re-run; the node
+    itself is not kept either: kept, it measured 9 MiB above the replay on a GPT-2 of width
+    768 (its output cache outlived the recompute).
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", saved_storages=(1,), selective_save=True),
+        ...                CostNode("b", "op", saved_storages=(2,), selective_save=True),
+        ...                CostNode("c", "op", selective_save=True)), (Storage(1, 8), Storage(2, 8)))
+        >>> keepable_in_segment(g, ("a", "b", "c"))
+        ['a']
+    """
+    members = [graph.nodes[graph.index[name]] for name in node_names]
+    last_saving = max((i for i, n in enumerate(members) if n.saved_storages), default=-1)
+    return [n.name for n in members[:max(last_saving, 0)] if n.selective_save]
+
+
+def kept_storages(graph: CostGraph, name: str) -> set[int]:
+    """The storages keeping node ``name``'s outputs holds from its forward until the segment's
+    recompute, as :func:`planner.simulate.simulate` counts them: what the node allocates
+    (outputs, and what it saves that its inputs did not produce) and the input storages its
+    ops returned views of.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        ...                CostNode("a", "op", input_names=("x",), output_storages=(1,)),
+        ...                CostNode("mm", "op", input_names=("a",), output_storages=(2,), saved_storages=(1,))),
+        ...               (Storage(0, 8, True), Storage(1, 8), Storage(2, 8)))
+        >>> kept_storages(g, "mm")  # its saved input is held by whoever made it
+        {2}
+    """
+    node = graph.node(name)
+    sizes = graph.storage_by_key
+    inputs = {k for i in node.input_names for k in graph.node(i).output_storages}
+    made = set(node.output_storages) | (set(node.saved_storages) - inputs)
+    return {k for k in made | set(node.viewed_storages) if not sizes[k].persistent}
+
+
 def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int, str]]:
     """``(segment index, node name)`` of nodes worth keeping, most time saved per byte first."""
     sizes = graph.storage_by_key
     total_ms = sum(s.recompute_ms for s in segments) or 1.0
     scored: list[tuple[float, int, str]] = []
     for s, seg in enumerate(segments):
-        members = [graph.nodes[graph.index[name]] for name in seg.node_names]
-        # the recompute stops after the last node that saved something: later ones never re-run.
-        # That node itself is not kept either: kept, it measured 9 MiB above the replay on a
-        # GPT-2 of width 768 (its output cache outlived the recompute)
-        last_saving = max((i for i, n in enumerate(members) if n.saved_storages), default=-1)
-        for node in members[:last_saving]:
-            name = node.name
-            if name in seg.kept_nodes or not node.selective_save or node.time_ms < MIN_TIME_SHARE * total_ms:
+        for name in keepable_in_segment(graph, seg.node_names):
+            node = graph.nodes[graph.index[name]]
+            if name in seg.kept_nodes or node.time_ms < MIN_TIME_SHARE * total_ms:
                 continue
-            held = {k for k in (*node.output_storages, *node.saved_storages) if not sizes[k].persistent}
-            held_bytes = sum(sizes[k].size_bytes for k in held)
+            held_bytes = sum(sizes[k].size_bytes for k in kept_storages(graph, name))
             scored.append((node.time_ms / max(held_bytes, 1), s, name))
     scored.sort(key=lambda t: (-t[0], t[1], t[2]))
     return [(s, name) for _, s, name in scored]

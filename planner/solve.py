@@ -47,7 +47,7 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
-from planner.keep import keep_outputs
+from planner.keep import keep_outputs, keepable_in_segment, kept_storages, segment_with_kept
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
@@ -61,6 +61,19 @@ MIB = float(2**20)
 #: of the ILP (the last few tenths of a percent take most of the solve time).
 MIP_GAP = 0.01
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+
+
+@dataclass(frozen=True)
+class KeepOption:
+    """A set of nodes of one stage whose outputs a selective segment keeps from the forward:
+    the recompute time it saves and the storages it holds until the segment's recompute."""
+
+    node_names: frozenset[str]
+    saved_ms: float
+    held_storages: frozenset[int]
+    #: False when the option keeps the stage's last saving node: then the stage must not be
+    #: the last of its segment
+    ends_segment_allowed: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,8 @@ class _StageModel:
     segments: list[tuple[int, int]]
     recomputed: dict[tuple[int, int], float]
     segment_overhead: float
+    #: per stage, the keep options a selective segment may use there (empty without selective)
+    keep_options: list[list[KeepOption]]
 
 
 def available_solvers() -> list[str]:
@@ -150,6 +165,8 @@ class _IlpResult:
     #: proven relative gap between this solution and the best bound; None when not known
     gap: float | None
     hit_time_limit: bool
+    #: nodes the chosen keep options keep (selective models only)
+    kept: frozenset[str] = frozenset()
 
 
 def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float) -> str:
@@ -192,7 +209,34 @@ def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVaria
     return pulp.LpVariable(name, **kwargs)
 
 
-def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int) -> _StageModel:
+def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[KeepOption]:
+    """What a selective segment may keep in ``stage``: the outputs of its matmuls and
+    convolutions (keepable nodes with FLOPs), Megatron's selective recompute.
+
+    A segment's last node that saves something is never kept
+    (:func:`planner.keep.keepable_in_segment`), so there are two options: the nodes before
+    the stage's last saving node (allowed in any stage of a segment), and all of them (only in
+    a stage that does not end its segment). An option keeping every keepable node made the ILP
+    slower (46 s against 20 s on a 283-node GPT-2) and its plans no cheaper, so it is not
+    offered; the keep pass after the ILP (:func:`planner.keep.keep_outputs`) adds such nodes
+    one by one where they fit.
+    """
+    members = [graph.node(name) for name in stage.node_names]
+    last_saving = max((i for i, n in enumerate(members) if n.saved_storages), default=-1)
+    options: list[KeepOption] = []
+    for candidates in (members[:max(last_saving, 0)], members):
+        chosen = [n for n in candidates if n.selective_save and n.flops > 0 and n.time_ms > 0]
+        names = frozenset(n.name for n in chosen)
+        if not names or any(o.node_names == names for o in options):
+            continue
+        held = frozenset(k for n in chosen for k in kept_storages(graph, n.name) if k not in returned)
+        options.append(KeepOption(names, sum(n.time_ms for n in chosen), held,
+                                  ends_segment_allowed=len(candidates) < len(members)))
+    return options
+
+
+def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int,
+                 selective: bool = False) -> _StageModel:
     sizes_b = graph.storage_by_key
     persistent = {k for k, s in sizes_b.items() if s.persistent}
     stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
@@ -276,6 +320,13 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
     for k, qs in savers.items():
         if k not in returned:
             holders.setdefault(k, []).extend((q, "saver", q) for q in qs)
+    keep_options = [(_keep_options(graph, st, returned) if selective and st.recomputable else [])
+                    for st in stages]
+    for j, options in enumerate(keep_options):
+        for o, option in enumerate(options):
+            for k in option.held_storages:
+                produced_at.setdefault(k, j)
+                holders.setdefault(k, []).append((j, "kept", (j, o)))
     segments: list[tuple[int, int]] = []
     recomputed: dict[tuple[int, int], float] = {}
     for a in range(k_count):
@@ -311,6 +362,7 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int)
         segments=segments,
         recomputed=recomputed,
         segment_overhead=graph.segment_overhead_bytes / MIB,
+        keep_options=keep_options,
     )
 
 
@@ -343,7 +395,6 @@ def _solve_ilp(
         prob += peak + 1e-6 * flop_cost
     else:
         bound = budget_mib
-        prob += cost
     covering: list[list[tuple[int, int]]] = [[] for _ in range(k_count)]
     for a, b in segs:
         for j in range(a, b + 1):
@@ -352,6 +403,17 @@ def _solve_ilp(
     for j in range(k_count):
         if covering[j]:
             prob += cov[j] <= 1, f"one_segment_covers_stage_{j}"
+    keep = {(j, o): _variable(prob, f"keep_option_{o}_in_stage_{j}", cat="Binary")
+            for j, options in enumerate(model.keep_options) for o in range(len(options))}
+    for j, options in enumerate(model.keep_options):
+        if options:
+            prob += pulp.lpSum(keep[(j, o)] for o in range(len(options))) <= cov[j], f"keep_only_if_recomputed_{j}"
+        ends_here = pulp.lpSum(y[(a, b)] for (a, b) in covering[j] if b == j)
+        for o, option in enumerate(options):
+            if not option.ends_segment_allowed:
+                prob += keep[(j, o)] <= cov[j] - ends_here, f"keep_option_{o}_in_stage_{j}_not_at_segment_end"
+    if budget_mib is not None:
+        prob += cost - pulp.lpSum(var * model.keep_options[j][o].saved_ms for (j, o), var in keep.items())
 
     # held[g][j]: the storages of group g are still held when stage j runs backward (and at the
     # end of its forward). Storages with the same holders form one group; a group with a single
@@ -364,6 +426,8 @@ def _solve_ilp(
         def holder_expr(kind: str, ref: Any) -> Any:
             if kind == "saver":
                 return 1 - cov[ref]
+            if kind == "kept":
+                return keep[ref]
             return y[ref]
 
         first = min(pos for pos, _, _ in holders)
@@ -412,19 +476,26 @@ def _solve_ilp(
         return None
     hit_time_limit = prob.sol_status == pulp.LpSolutionIntegerFeasible
     chosen = [(a, b) for (a, b) in segs if (y[(a, b)].value() or 0) > 0.5]
+    kept = frozenset(node for (j, o), var in keep.items() if (var.value() or 0) > 0.5
+                     for node in model.keep_options[j][o].node_names)
     gap = _proven_gap(prob, name, float(pulp.value(prob.objective) or 0.0), hit_time_limit)
     if hit_time_limit:
         log.warning("%s stopped at its time limit (%g s) with a feasible plan; proven gap %s", name, time_limit_s,
                     "unknown" if gap is None else f"{gap:.1%}")
-    return _IlpResult(sorted(chosen), name, gap, hit_time_limit)
+    return _IlpResult(sorted(chosen), name, gap, hit_time_limit, kept)
 
 
-def _segments(model: _StageModel, chosen: list[tuple[int, int]]) -> list[Segment]:
-    """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost."""
+def _segments(graph: CostGraph, model: _StageModel, chosen: list[tuple[int, int]],
+              kept: frozenset[str] = frozenset()) -> list[Segment]:
+    """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost,
+    keeping the outputs of the nodes in ``kept`` that a selective policy can keep there."""
     out = []
     for a, b in sorted(chosen):
         names = tuple(n for st in model.stages[a : b + 1] for n in st.node_names)
-        out.append(Segment(names, sum(model.time_ms[a : b + 1]), sum(model.flops[a : b + 1])))
+        if kept:
+            out.append(segment_with_kept(graph, names, kept & set(keepable_in_segment(graph, names))))
+        else:
+            out.append(Segment(names, sum(model.time_ms[a : b + 1]), sum(model.flops[a : b + 1])))
     return out
 
 
@@ -475,7 +546,7 @@ def minimum_peak_plan(
     result = _solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
         raise SolverError("the minimum-peak model was reported infeasible")
-    segments = _segments(model, result.chosen)
+    segments = _segments(graph, model, result.chosen, result.kept)
     if refine_s > 0:
         starts = [segments]
         if len(graph.compute_nodes) < ALL_CUTS_BELOW:  # small: also descend from no and from full recompute
@@ -530,7 +601,7 @@ def solve(
     if unoptimized <= budget_bytes:
         return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages))
+    model = _stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
     fallback: Plan | None = None
     if plan is not None:
@@ -625,7 +696,7 @@ def _tightened(
         result = _solve_ilp(model, target_mib, solver, time_limit_s)
         if result is None:
             return None
-        segments = _segments(model, result.chosen)
+        segments = _segments(graph, model, result.chosen, result.kept)
         peak = simulate(graph, segments).peak_bytes
         log.info("attempt %d: %d segments, simulated peak %.1f MiB (budget %.1f MiB)",
                  attempt, len(result.chosen), peak / MIB, budget_bytes / MIB)

@@ -237,3 +237,51 @@ def test_kept_outputs_only_lower_the_cost_and_stay_within_budget():
             assert seg.recompute_ms == pytest.approx(expected)
         found += sum(len(seg.kept_nodes) for seg in plan.segments)
     assert found > 0, "no output kept on any random graph"
+
+
+def _matmul_blocks(blocks: int) -> CostGraph:
+    """x -> blocks of [mm1 (slow, 1 MiB out) -> act (fast, 4 MiB out) -> mm2 (slow, saves act's
+    output)], matmuls keepable."""
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    storages = [Storage(0, MIB, True)]
+    for b in range(blocks):
+        for name, ms, out_mib, flops, keepable in (("mm1", 5.0, 1, 10**6, True), ("act", 0.2, 4, 0, False),
+                                                   ("mm2", 5.0, 1, 10**6, True)):
+            key = len(storages)
+            storages.append(Storage(key, out_mib * MIB))
+            previous = nodes[-1]
+            nodes.append(CostNode(f"{name}_{b}", name, input_names=(previous.name,), output_storages=(key,),
+                                  saved_storages=previous.output_storages if b or name != "mm1" else (),
+                                  output_bytes=out_mib * MIB, requires_grad=True, time_ms=ms, flops=flops,
+                                  selective_save=keepable))
+    return CostGraph(tuple(nodes), tuple(storages), output_names=(nodes[-1].name,))
+
+
+def test_ilp_keeps_matmul_outputs_inside_its_segments():
+    """With selective, the ILP itself may keep the outputs of a stage's matmuls in the segments
+    it recomputes (Megatron's selective recompute): on coarse stages that is cheaper than whole
+    stages alone at the same budget, what it keeps is keepable there, and the plan fits."""
+    import importlib
+    import time
+
+    from planner.keep import keepable_in_segment
+    from planner.stages import build_stages
+
+    solve_module = importlib.import_module("planner.solve")  # planner.solve is also a function's name
+    g = _matmul_blocks(6)
+    unoptimized = simulate(g).peak_bytes
+    stages = build_stages(g, 3)
+    costs = {}
+    for selective in (False, True):
+        model = solve_module._stage_model(g, stages, max_segment_stages=len(stages), selective=selective)
+        assert any(model.keep_options) == selective
+        plan = solve_module._tightened(g, model, int(unoptimized * 0.7), unoptimized, None, 30.0, 8,
+                                       time.perf_counter())
+        assert plan is not None
+        assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= int(unoptimized * 0.7)
+        for seg in plan.segments:
+            assert set(seg.kept_nodes) <= set(keepable_in_segment(g, seg.node_names))
+            assert all(g.node(n).flops > 0 for n in seg.kept_nodes)
+        costs[selective] = (plan.recompute_ms, sum(len(seg.kept_nodes) for seg in plan.segments))
+    assert costs[False][1] == 0 and costs[True][1] > 0
+    assert costs[True][0] < costs[False][0], costs
