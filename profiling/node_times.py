@@ -11,7 +11,6 @@ warm-up step, and each node gets the median of its times over the timed passes.
 Example:
     >>> import torch
     >>> from profiling.trace import trace_module
-    >>> from profiling.measure import StepInputs
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     >>> x = torch.randn(4, 8)
     >>> gm = trace_module(model, (x,))
