@@ -4,7 +4,8 @@ For each FX node: the storages its outputs live in, the storages autograd saves 
 while it runs (observed with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by
 storage), its output bytes, its forward time (CUDA events on a GPU, a timer on CPU; the median
 over warm passes of the whole step, :mod:`profiling.node_times`) and its FLOPs
-(``FlopCounterMode``), plus whether it draws random numbers or mutates state. The interpreter follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
+(``FlopCounterMode``), plus whether it draws random numbers or mutates state. The interpreter
+follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
 
 Example:
     >>> import torch
