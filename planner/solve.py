@@ -221,17 +221,17 @@ def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[Ke
     offered; the keep pass after the ILP (:func:`planner.keep.keep_outputs`) adds such nodes
     one by one where they fit.
     """
-    members = [graph.node(name) for name in stage.node_names]
-    last_saving = max((i for i, n in enumerate(members) if n.saved_storages), default=-1)
+    inner = keepable_in_segment(graph, stage.node_names)
+    every = [name for name in stage.node_names if graph.node(name).selective_save]
     options: list[KeepOption] = []
-    for candidates in (members[:max(last_saving, 0)], members):
-        chosen = [n for n in candidates if n.selective_save and n.flops > 0 and n.time_ms > 0]
+    for candidates, anywhere in ((inner, True), (every, False)):
+        chosen = [graph.node(name) for name in candidates]
+        chosen = [n for n in chosen if n.flops > 0 and n.time_ms > 0]
         names = frozenset(n.name for n in chosen)
         if not names or any(o.node_names == names for o in options):
             continue
         held = frozenset(k for n in chosen for k in kept_storages(graph, n.name) if k not in returned)
-        options.append(KeepOption(names, sum(n.time_ms for n in chosen), held,
-                                  ends_segment_allowed=len(candidates) < len(members)))
+        options.append(KeepOption(names, sum(n.time_ms for n in chosen), held, ends_segment_allowed=anywhere))
     return options
 
 
