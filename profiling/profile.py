@@ -2,10 +2,10 @@
 
 For each FX node: the storages its outputs live in, the storages autograd saves for backward
 while it runs (observed with ``torch.autograd.graph.saved_tensors_hooks``, deduplicated by
-storage), its output bytes, its forward time (CUDA events on a GPU, a timer on CPU; the median
-over warm passes of the whole step, :mod:`profiling.node_times`) and its FLOPs
-(``FlopCounterMode``), plus whether it draws random numbers or mutates state. The interpreter
-follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
+storage), its output bytes, its forward time (CUDA events on a GPU, a timer on CPU; the median over warm passes of the
+whole step, :mod:`profiling.node_times`)
+and its FLOPs (``FlopCounterMode``), plus whether it draws random numbers or mutates state.
+The interpreter follows PyTorch's ``shape_prop.py``: failures are re-raised naming the node.
 
 Example:
     >>> import torch
@@ -237,14 +237,16 @@ def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
 
 
 class _ProfilingInterpreter(torch.fx.Interpreter):
-    """Runs the graph once with autograd on, recording per-node storages, saves and FLOPs."""
+    """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time."""
 
-    def __init__(self, gm: torch.fx.GraphModule, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def __init__(self, gm: torch.fx.GraphModule,
+                 device: torch.device, to_fake: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  progress: NodeProgress | None = None, tracker: FakeAllocationTracker | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.progress = progress
         self.tracker = tracker
         self.to_fake = to_fake
+        self.time = _timer(device)
         self.records: dict[str, dict[str, Any]] = {}
         self.buffer_ids = {id(to_fake(b) if to_fake else b) for b in gm.buffers()}
 
@@ -275,7 +277,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         if self.tracker is not None:
             self.tracker.node_started(n.name)
         try:
-            run_once()
+            first_run_ms = self.time(run_once)
         except Exception as exc:
             where = n.meta.get("stack_trace", "").strip().splitlines()[-1:] or [""]
             raise ProfileError(
@@ -297,7 +299,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             "result": result,
             "saved": saved,
             "flops": flops,
-            "time_ms": 0.0,  # set after the run: warm passes (profiling.node_times) or the roofline
+            "time_ms": first_run_ms,  # measured profiles replace it by warm passes (profiling.node_times)
             "mutating": mutating,
             "writes_in_place": spy.writes_in_place,
             "input_views": spy.input_views,
@@ -353,7 +355,7 @@ def profile_graph(
     node_count = len(gm.graph.nodes)
     bar = NodeProgress(node_count, f"profiling {node_count} nodes{' (fake)' if fake else ''}", bar=progress)
     tracker = FakeAllocationTracker() if fake else None
-    interp = _ProfilingInterpreter(gm, to_fake, bar, tracker)
+    interp = _ProfilingInterpreter(gm, device, to_fake, bar, tracker)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()), \
             (tracker if tracker is not None else contextlib.nullcontext()):
         try:
