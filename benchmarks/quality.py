@@ -18,6 +18,7 @@ of every-layer's recompute in the same time (the forward time of the layers' nod
 the time bar is out of reach of any plan by the simulator's account.
 
     python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--readme]
+    python benchmarks/quality.py --device cuda [--readme]   # on a GPU: the *_gpu models, CUDA events
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from common import (GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, step_time_ratios,
-                    write_readme_section)
+                    to_device, write_readme_section)
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
@@ -51,8 +52,22 @@ MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
     "gpt2_768": ("GPT2LMHeadModel at GPT-2 small's width: 4 layers, width 768, 12 heads, vocab 8192, batch 4 x 256",
                  lambda: gpt2(batch=4, width=768, heads=12, vocab=8192)),
 }
+#: GPU-sized models (``--device cuda``): big enough that kernels, not launches, set the step time.
+GPU_MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
+    "gpt2_gpu": ("GPT2LMHeadModel at GPT-2 small's size: 6 layers, width 768, 12 heads, vocab 50257, "
+                 "batch 8 x 1024", lambda: gpt2(batch=8, seq_len=1024, layers=6, width=768, heads=12, vocab=50257)),
+    "llama_gpu": ("LlamaForCausalLM, 6 layers, width 1024, 16 heads, vocab 32000, batch 4 x 1024",
+                  lambda: llama(batch=4, seq_len=1024, layers=6, width=1024, heads=16, vocab=32000)),
+    "bert_gpu": ("BertForMaskedLM at BERT base's width: 6 layers, width 768, 12 heads, vocab 30522, batch 8 x 512",
+                 lambda: bert(batch=8, seq_len=512, layers=6, width=768, heads=12, vocab=30522)),
+    "mlp_gpu": ("residual MLP, 8 blocks, width 256, hidden 1024, dropout 0.1, batch 65536",
+                lambda: residual_mlp(batch=65536)),
+}
+ALL_MODELS = {**MODELS, **GPU_MODELS}
 README_BEGIN = "<!-- benchmarks/quality.py --readme: begin -->"
 README_END = "<!-- benchmarks/quality.py --readme: end -->"
+GPU_README_BEGIN = "<!-- benchmarks/quality.py --device cuda --readme: begin -->"
+GPU_README_END = "<!-- benchmarks/quality.py --device cuda --readme: end -->"
 
 
 @dataclasses.dataclass
@@ -101,8 +116,8 @@ def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
     return sum(n.time_ms for n in graph.compute_nodes if n.module.startswith(f"{layers_name}."))
 
 
-def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
-    model, example = MODELS[name][1]()
+def run_model(name: str, repeats: int, cache_dir: str, device: torch.device) -> ModelResult:
+    model, example = to_device(*ALL_MODELS[name][1](), device)
     inputs = StepInputs.from_example(example)
     every = checkpoint_every_k(model, 1)
     layers_name, _ = find_layers(model)
@@ -128,7 +143,7 @@ def run_model(name: str, repeats: int, cache_dir: str) -> ModelResult:
                 solve_s=time.perf_counter() - started))
             modules.append(opt)
             log.info("%s %s %s: planned", name, target, "selective" if selective else "segments")
-    ratios = step_time_ratios(modules, inputs, repeats)
+    ratios = step_time_ratios(modules, inputs, repeats, device)
     result.every_step_time = ratios[1]
     for row, ratio in zip(result.rows, ratios[2:]):
         row.step_time = ratio
@@ -151,9 +166,9 @@ def _verdicts(result: ModelResult, row: PlanRow) -> list[str]:
     return out
 
 
-def markdown(results: list[ModelResult], repeats: int, threads: int, wall_s: float) -> str:
+def markdown(results: list[ModelResult], repeats: int, where: str, wall_s: float) -> str:
     lines = [
-        f"CPU, {threads} thread(s), torch {torch.__version__}, {repeats} interleaved timing repeats, "
+        f"{where}, torch {torch.__version__}, {repeats} interleaved timing repeats, "
         f"wall time {wall_s / 60:.1f} min.",
         "",
         "| model | target | method | budget | measured peak | extra FLOPs | step time | predicted overhead "
@@ -173,25 +188,33 @@ def markdown(results: list[ModelResult], repeats: int, threads: int, wall_s: flo
                 f"| {row.step_time:.2f}x | +{row.predicted_overhead:.1%} | +{row.lower_bound_overhead:.1%} "
                 f"| {'; '.join(_verdicts(r, row))} |")
     lines.append("")
-    lines.append("Models: " + "; ".join(f"**{r.name}**: {MODELS[r.name][0]}" for r in results) + ".")
+    lines.append("Models: " + "; ".join(f"**{r.name}**: {ALL_MODELS[r.name][0]}" for r in results) + ".")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", choices=list(ALL_MODELS),
+                        help="default: the CPU models, or the *_gpu ones with --device cuda")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: steadier timings)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
     args = parser.parse_args()
     benchmark_logging()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    models = args.models or list(GPU_MODELS if device.type == "cuda" else MODELS)
+    where = (f"CUDA, {torch.cuda.get_device_name(device)}" if device.type == "cuda"
+             else f"CPU, {args.threads} thread(s)")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     results: list[ModelResult] = []
     with tempfile.TemporaryDirectory(prefix="quality-profiles-") as cache_dir:
-        for name in args.models:
-            results.append(run_model(name, args.repeats, cache_dir))
+        for name in models:
+            results.append(run_model(name, args.repeats, cache_dir, device))
             log.info("%s done at %.0f s", name, time.perf_counter() - started)
     import pandas
 
@@ -199,12 +222,14 @@ def main() -> None:
              "every_extra_flops": r.every_extra_flops, "base_peak_bytes": r.base_peak_bytes,
              "base_flops": r.base_flops} for r in results for row in r.rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    pandas.DataFrame(rows).to_csv(args.out / "quality.csv", index=False)
-    text = markdown(results, args.repeats, args.threads, time.perf_counter() - started)
-    (args.out / "quality.md").write_text(text)
+    stem = "quality" if device.type == "cpu" else "quality_cuda"
+    pandas.DataFrame(rows).to_csv(args.out / f"{stem}.csv", index=False)
+    text = markdown(results, args.repeats, where, time.perf_counter() - started)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     if args.readme:
-        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+        begin, end = (README_BEGIN, README_END) if device.type == "cpu" else (GPU_README_BEGIN, GPU_README_END)
+        write_readme_section(text, ROOT / "README.md", begin, end)
 
 
 if __name__ == "__main__":

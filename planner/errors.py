@@ -6,6 +6,8 @@ failure this package raises on purpose.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError"]
 
 
@@ -22,16 +24,18 @@ class InputError(PlannerError, ValueError):
 class InfeasibleBudgetError(PlannerError):
     """No plan keeps the simulated peak under the budget.
 
-    ``min_feasible_bytes`` is the smallest predicted peak any plan reaches, so a user can
-    retry with ``budget_gb`` at or above ``min_feasible_bytes / 2**30``.
+    ``min_feasible_bytes`` is the smallest budget found to work, so a user can retry with
+    ``budget_gb`` at or above ``min_feasible_bytes / 2**30``; the message's GiB figure is
+    rounded up, so it works too.
     """
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        min_feasible_gb = math.ceil(self.min_feasible_bytes / 2**30 * 1e4) / 1e4
         super().__init__(
             f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below what any plan "
-            f"reaches; the smallest feasible budget is {min_feasible_bytes / 2**30:.4f} GiB "
+            f"reaches; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
             f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size"
         )
 

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 from planner.costgraph import CostGraph
 from planner.plan import Segment
+from planner.refine import GUARD_FACTOR, replay_budget
 from planner.simulate import simulate
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "segment_with_kept"]
@@ -140,7 +141,9 @@ def keep_outputs(
     Candidates are tried in order of measured forward time per byte they would hold. Runs of
     candidates are added at once while the replayed peak fits (doubling the run), and halved
     when it does not, so a graph with thousands of candidates needs few replays; a single
-    candidate that does not fit is skipped. Stops after ``time_limit_s`` with what it has.
+    candidate that does not fit is skipped. Stops with what it has after the replays
+    ``time_limit_s`` buys (:func:`planner.refine.replay_budget`, the same on every machine) or
+    at a wall-clock guard of twice ``time_limit_s``.
     The returned plan's simulated peak is at most ``budget_bytes`` whenever the input's is.
 
     Example:
@@ -168,7 +171,9 @@ def keep_outputs(
 
     order = _candidates(graph, segments)
     position, run, replays = 0, 1, 0
-    while position < len(order) and time.perf_counter() - started < time_limit_s:
+    max_replays = replay_budget(graph, time_limit_s)
+    deadline = started + GUARD_FACTOR * time_limit_s
+    while position < len(order) and replays < max_replays and time.perf_counter() < deadline:
         chunk = order[position : position + run]
         for s, name in chunk:
             kept[s].add(name)

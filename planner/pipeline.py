@@ -54,6 +54,17 @@ def _budget_bytes(budget_gb: float, name: str = "budget_gb") -> int:
     return int(budget_gb * GIB)
 
 
+def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
+    """The smallest budget in bytes whose planning room (``plan_for_budget``'s arithmetic,
+    floats included) is at least ``planning_bytes``."""
+    budget = math.ceil(planning_bytes / (1 - safety_margin)) + reserve_bytes
+    while int((budget - reserve_bytes) * (1 - safety_margin)) < planning_bytes:
+        budget += 1
+    while budget > reserve_bytes + 1 and int((budget - 1 - reserve_bytes) * (1 - safety_margin)) >= planning_bytes:
+        budget -= 1
+    return budget
+
+
 def plan_for_budget(
     graph: CostGraph,
     budget_gb: float,
@@ -102,8 +113,8 @@ def plan_for_budget(
         plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                      selective=selective)
     except InfeasibleBudgetError as exc:
-        needed = math.ceil(exc.min_feasible_bytes / (1 - safety_margin)) + reserve_bytes
-        raise InfeasibleBudgetError(budget_bytes, needed) from None
+        raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
+            exc.min_feasible_bytes, reserve_bytes, safety_margin)) from None
     return dataclasses.replace(plan, budget_bytes=budget_bytes)
 
 

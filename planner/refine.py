@@ -15,6 +15,13 @@ node on small graphs):
 Both return the best plan seen, so the result is never worse than the input. Selective
 segments are kept as they are.
 
+The effort is counted in replays, not seconds, so a search gives the same plan on any machine:
+``time_limit_s`` buys ``time_limit_s * NODE_REPLAYS_PER_S / len(graph.nodes)`` replays (about
+``time_limit_s`` on a 2-core CPU), and a wall-clock guard at twice ``time_limit_s`` stops a
+search on a much slower machine (logged; only then can the result differ between runs). This is
+what lets the smallest feasible budget an :class:`~planner.errors.InfeasibleBudgetError` names
+be planned when it is passed back.
+
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
@@ -41,13 +48,31 @@ from planner.plan import Segment
 from planner.simulate import simulate
 from planner.stages import build_stages
 
-__all__ = ["refine_segments", "lower_peak"]
+__all__ = ["NODE_REPLAYS_PER_S", "lower_peak", "refine_segments", "replay_budget"]
 
 log = logging.getLogger(__name__)
 
 Run = tuple[int, int]  # first and last compute rank, inclusive
 #: below this many compute nodes every node boundary is a cut point
 ALL_CUTS_BELOW = 64
+#: simulated nodes per second of search a ``time_limit_s`` stands for (a search replays about
+#: 130,000 per second on one core of the 2-core CPU the benchmarks ran on)
+NODE_REPLAYS_PER_S = 100_000
+#: the wall-clock guard, as a multiple of ``time_limit_s``
+GUARD_FACTOR = 2.0
+
+
+def replay_budget(graph: CostGraph, time_limit_s: float) -> int:
+    """The replays a search of ``graph`` may make for ``time_limit_s`` (at least one).
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+        ...               (Storage(0, 8, True),))
+        >>> replay_budget(g, 1.0)
+        100000
+    """
+    return max(1, int(time_limit_s * NODE_REPLAYS_PER_S / max(1, len(graph.nodes))))
 
 
 class _Chain:
@@ -156,11 +181,21 @@ class _Search:
         self.chain = _Chain(graph, cut_stages, frozenset(n for s in self.fixed for n in s.node_names))
         rank = self.chain.rank
         self.runs = sorted((rank[s.node_names[0]], rank[s.node_names[-1]]) for s in segments if not s.selective)
-        self.deadline = time.perf_counter() + time_limit_s
+        self.max_replays = replay_budget(graph, time_limit_s)
+        self.deadline = time.perf_counter() + GUARD_FACTOR * time_limit_s
         self.replays = 0
+        self.guard_hit = False
 
     def out_of_time(self) -> bool:
-        return time.perf_counter() > self.deadline
+        if self.replays >= self.max_replays:
+            return True
+        if time.perf_counter() > self.deadline:
+            if not self.guard_hit:
+                log.info("search stopped by its wall-clock guard after %d of %d replays: on this machine "
+                         "the plan may differ between runs", self.replays, self.max_replays)
+            self.guard_hit = True
+            return True
+        return False
 
     def cost(self, runs: list[Run]) -> float:
         return sum(self.chain.time_ms(r) for r in runs)

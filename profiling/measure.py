@@ -2,9 +2,12 @@
 
 Peak training-step memory is the most bytes held by live tensors at any moment of one
 forward plus backward, counting parameters, buffers, inputs, activations, gradients and
-temporaries. On CUDA it is ``torch.cuda.max_memory_allocated``; on CPU it is the running sum
-of the allocator's allocation and free events recorded by ``torch.profiler`` with
-``profile_memory=True``, on top of the bytes already held by parameters, buffers and inputs.
+temporaries. It is the step's growth at the allocator on top of the bytes already held by the
+module's parameters and buffers and by the inputs: on CUDA the rise of
+``torch.cuda.max_memory_allocated`` over what was allocated before the step (so other models on
+the device do not count) in a step after an unmeasured one (library workspaces a first step
+allocates stay out); on CPU the running sum of the allocator's allocation and free events
+recorded by ``torch.profiler`` with ``profile_memory=True``.
 
 Example:
     >>> import torch
@@ -151,15 +154,22 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
     """
     device = _device_of(module, inputs)
     with preserved_state(module):
+        baseline = _held_bytes(module, inputs)
         if device.type == "cuda":
+            # The device may hold other models and tensors: count the step's growth above what
+            # was allocated before it, plus this module's parameters, buffers and inputs. An
+            # unmeasured step first: a process's first matmuls allocate cuBLAS workspaces that
+            # stay for good and are no tensor of this step.
+            run_step(module, inputs)
+            for p in module.parameters():
+                p.grad = None
             torch.cuda.synchronize(device)
+            allocated_before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             output = run_step(module, inputs)
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
             del output
-            return int(peak)
-        baseline = _held_bytes(module, inputs)
+            torch.cuda.synchronize(device)
+            return baseline + int(torch.cuda.max_memory_allocated(device)) - allocated_before
         activities = [torch.profiler.ProfilerActivity.CPU]
         with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
             output = run_step(module, inputs)

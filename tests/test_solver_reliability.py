@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 
 import pulp
 import pytest
@@ -13,9 +14,12 @@ from hypothesis import strategies as st
 
 from graphs import MIB, chain, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
+from planner.pipeline import plan_for_budget
 
 # ``planner.solve`` the attribute is the function; the module is reached by its import name
 solve_module = importlib.import_module("planner.solve")
+refine_module = importlib.import_module("planner.refine")
+pipeline_module = importlib.import_module("planner.pipeline")
 
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                              suppress_health_check=[HealthCheck.too_slow])
@@ -303,3 +307,62 @@ def test_sweep_spans_the_smallest_feasible_to_the_unoptimized_peak_with_its_marg
     assert len(plans) == 5, "the smallest budget must not be lost to rounding"
     assert plans[0].predicted_peak_bytes == minimum_peak_plan(g).predicted_peak_bytes
     assert plans[-1].segments == (), "the top of the sweep is the unoptimized step"
+
+
+def _slow_clock(step_s: float):
+    """A ``time.perf_counter`` stand-in that advances ``step_s`` per call: a machine far slower
+    than the one running the test."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += step_s
+        return now[0]
+    return clock
+
+
+def test_search_effort_is_counted_in_replays_so_a_slow_machine_gets_the_same_plan(monkeypatch, caplog):
+    g = chain([4, 1, 3, 5, 2, 6, 1, 4, 3, 2, 5, 1, 2, 4, 3, 6, 1, 2], times_ms=[1, 2, 1, 3] * 4 + [1, 2])
+    limit_s = 12 * len(g.nodes) / refine_module.NODE_REPLAYS_PER_S  # buys 12 replays
+    assert refine_module.replay_budget(g, limit_s) == 12
+    with caplog.at_level(logging.INFO, logger="planner.refine"):
+        here = refine_module.lower_peak(g, [], time_limit_s=limit_s)
+    assert "with 12 replays" in caplog.text, "the search must stop at its replay budget, not sooner"
+    assert simulate(g, here).peak_bytes < simulate(g).peak_bytes
+    caplog.clear()
+    monkeypatch.setattr(refine_module, "GUARD_FACTOR", 1e9)
+    monkeypatch.setattr(refine_module.time, "perf_counter", _slow_clock(1.0))
+    with caplog.at_level(logging.INFO, logger="planner.refine"):
+        slow = refine_module.lower_peak(g, [], time_limit_s=limit_s)
+    assert "with 12 replays" in caplog.text
+    assert [s.node_names for s in slow] == [s.node_names for s in here]
+
+
+def test_the_wall_clock_guard_still_stops_a_search_and_says_so(monkeypatch, caplog):
+    g = chain([4, 1, 3, 5, 2, 6, 1, 4, 3, 2])
+    monkeypatch.setattr(refine_module.time, "perf_counter", _slow_clock(10.0))
+    with caplog.at_level(logging.INFO, logger="planner.refine"):
+        segments = refine_module.lower_peak(g, [], time_limit_s=1.0)
+    assert "wall-clock guard" in caplog.text
+    assert simulate(g, segments).peak_bytes <= simulate(g).peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_budget_an_infeasible_error_names_is_planned_when_passed_back(seed):
+    """Through ``plan_for_budget`` (GiB, safety margin, reserve): the named bytes, and the
+    message's GiB figure as a user would copy it, both plan."""
+    g = random_dag(seed, 10)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan_for_budget(g, 1e-6, reserve_gb=1e-7)
+    named_bytes = info.value.min_feasible_bytes
+    printed_gb = float(re.search(r"smallest feasible budget is ([0-9.]+) GiB", str(info.value)).group(1))
+    for budget_gb in (named_bytes / 2**30, printed_gb):
+        plan = plan_for_budget(g, budget_gb, reserve_gb=1e-7)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+@PROPERTY_SETTINGS
+@given(planning=st.integers(1, 2**40), reserve=st.integers(0, 2**34), margin=st.floats(0.0, 0.5))
+def test_budget_planning_at_least_is_the_smallest_budget_with_that_room(planning, reserve, margin):
+    budget = pipeline_module._budget_planning_at_least(planning, reserve, margin)
+    assert int((budget - reserve) * (1 - margin)) >= planning
+    assert int((budget - 1 - reserve) * (1 - margin)) < planning

@@ -1,0 +1,94 @@
+"""optimize() on a CUDA GPU: budgets met at ``max_memory_allocated``, training unchanged.
+
+These run only where a CUDA device is present (marked ``cuda``; skipped elsewhere, CI has no
+GPU). The README's "GPU" section records their last result and the command.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import cnn, gpt2, residual_mlp
+from planner import optimize
+from profiling import StepInputs, measure_step_peak_bytes
+from profiling.measure import loss_of
+from torch.utils._pytree import tree_map
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEVICE = torch.device("cuda")
+
+
+def on_device(model: torch.nn.Module, example):
+    return model.to(DEVICE), tree_map(lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t, example)
+
+
+def loss_and_grads(module, owner, inputs: StepInputs, seed: int):
+    owner.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_of(module(*inputs.args, **inputs.kwargs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None}
+    owner.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_measured_peak_ignores_other_tensors_on_the_device():
+    model, example = on_device(*residual_mlp(batch=512))
+    inputs = StepInputs.from_example(example)
+    alone = measure_step_peak_bytes(model, inputs)
+    unrelated = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
+    beside = measure_step_peak_bytes(model, inputs)
+    del unrelated
+    assert abs(beside - alone) <= 0.01 * alone, (alone, beside)
+
+
+@pytest.fixture(scope="module", params=["residual_mlp", "gpt2"])
+def subject(request):
+    built = residual_mlp() if request.param == "residual_mlp" else gpt2()
+    model, example = on_device(*built)
+    inputs = StepInputs.from_example(example)
+    peak = measure_step_peak_bytes(model, inputs)
+    return request.param, model, example, inputs, peak, loss_and_grads(model, model, inputs, seed=5)
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["segments", "selective"])
+def test_half_budget_is_met_and_training_is_unchanged(subject, selective):
+    name, model, example, inputs, peak, (ref_loss, ref_grads) = subject
+    opt = optimize(model, example, budget_gb=peak * 0.5 / 2**30, selective=selective)
+    measured = measure_step_peak_bytes(opt, inputs)
+    assert measured <= opt.plan.budget_bytes, f"{name}: measured {measured} over budget {opt.plan.budget_bytes}"
+    assert abs(opt.plan.predicted_peak_bytes - measured) <= 0.10 * measured, (opt.plan.predicted_peak_bytes, measured)
+    assert opt.plan.segments
+
+    loss, grads = loss_and_grads(opt, model, inputs, seed=5)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=key)
+
+    smaller = tree_map(lambda t: t[: t.shape[0] // 2] if isinstance(t, torch.Tensor) else t, example)
+    smaller_inputs = StepInputs.from_example(smaller)
+    loss_of(opt(*smaller_inputs.args, **smaller_inputs.kwargs)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_batchnorm_statistics_update_once_per_step_on_cuda():
+    model, example = on_device(*cnn())
+    inputs = StepInputs.from_example(example)
+    peak = measure_step_peak_bytes(model, inputs)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = optimize(model, example, budget_gb=peak * 0.7 / 2**30)
+    assert opt.plan.segments
+    model.load_state_dict(reference)
+    loss_of(model(*inputs.args)).backward()
+    expected = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
+    model.load_state_dict(reference)
+    model.zero_grad(set_to_none=True)
+    loss_of(opt(*inputs.args)).backward()
+    actual = {k: v for k, v in model.state_dict().items() if k in expected}
+    assert expected
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], msg=key)
