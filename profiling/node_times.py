@@ -31,7 +31,7 @@ import torch.fx
 
 from profiling.measure import loss_of, preserved_state, unflatten_output
 
-__all__ = ["Timer", "cpu_timer", "time_nodes_in_passes"]
+__all__ = ["Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda"]
 
 #: Runs a callable once and returns how long it took, in milliseconds.
 Timer = Callable[[Callable[[], Any]], float]
@@ -83,4 +83,68 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
             del flat_out
             for p in gm.parameters():
                 p.grad = None
+    return {name: statistics.median(values) for name, values in times_ms.items()}
+
+
+class _EventRecorder(torch.fx.Interpreter):
+    """An interpreter that records a CUDA event before and after each node, without waiting."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op in ("placeholder", "output"):
+            return super().run_node(n)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = super().run_node(n)
+        end.record()
+        self.events.append((n.name, start, end))
+        return result
+
+
+def _ms_per_sleep_cycle() -> float:
+    """GPU milliseconds one cycle of ``torch.cuda._sleep`` takes on the current device."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10**7
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return max(start.elapsed_time(end), 1e-3) / cycles
+
+
+def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
+                       max_hold_ms: float = 2000.0) -> dict[str, float]:
+    """Median GPU time (ms) of every node of ``gm`` over ``repeats`` warm training steps.
+
+    Running a graph node by node from Python launches kernels more slowly than a compiled
+    module's forward, so a GPU timed per node (or one waiting on every launch) mostly measures
+    launch gaps. Here the GPU is held by a spin kernel (``torch.cuda._sleep``) for longer than
+    the forward takes to launch, so the whole forward is queued before it runs and each node's
+    events time its kernels back to back. One untimed step runs first (and sizes the hold). RNG
+    state, buffers and ``.grad`` of ``gm`` are restored afterwards.
+    """
+    times_ms: dict[str, list[float]] = {}
+    ms_per_cycle = _ms_per_sleep_cycle()
+    launch_ms = max_hold_ms
+    with preserved_state(gm):
+        for timed in [False] + [True] * max(1, repeats):
+            torch.cuda.synchronize()
+            if timed:
+                torch.cuda._sleep(int(min(max_hold_ms, 1.5 * launch_ms) / ms_per_cycle))
+            recorder = _EventRecorder(gm)
+            launched = time.perf_counter()
+            flat_out = recorder.run(*flat_inputs, enable_io_processing=False)
+            if not timed:
+                launch_ms = (time.perf_counter() - launched) * 1e3
+            loss_of(unflatten_output(gm, flat_out)).backward()
+            del flat_out
+            torch.cuda.synchronize()
+            for p in gm.parameters():
+                p.grad = None
+            if timed:
+                for name, start, end in recorder.events:
+                    times_ms.setdefault(name, []).append(start.elapsed_time(end))
     return {name: statistics.median(values) for name, values in times_ms.items()}

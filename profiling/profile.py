@@ -41,7 +41,7 @@ from profiling.measure import (
     run_step,
     unflatten_output,
 )
-from profiling.node_times import Timer, cpu_timer, time_nodes_in_passes
+from profiling.node_times import Timer, cpu_timer, time_nodes_in_passes, time_nodes_on_cuda
 from profiling.roofline import estimate_ms
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
@@ -323,7 +323,8 @@ def profile_graph(
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
     Each node's time is its median over ``timing_repeats`` warm training steps run node by node
-    after an untimed one (:func:`profiling.node_times.time_nodes_in_passes`); nodes running the
+    after an untimed one (:func:`profiling.node_times.time_nodes_in_passes`; on CUDA, GPU time
+    with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`); nodes running the
     same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
@@ -376,7 +377,9 @@ def profile_graph(
     else:
         timer = _timer(device)
         progress_log.info("profiling: timing nodes in %d warm passes", timing_repeats)
-        for name, time_ms in time_nodes_in_passes(gm, flat, timing_repeats, timer).items():
+        node_times_ms = (time_nodes_on_cuda(gm, flat, timing_repeats) if device.type == "cuda"
+                         else time_nodes_in_passes(gm, flat, timing_repeats, timer))
+        for name, time_ms in node_times_ms.items():
             interp.records[name]["time_ms"] = time_ms
         pooled = pool_repeated_op_times(interp.records)
         log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
