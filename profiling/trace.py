@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from planner.errors import TraceError
+from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.measure import StepInputs
 
 __all__ = ["trace_module", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
@@ -343,9 +344,11 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     _share_parameters(model, gm)
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
     functional = functionalize_inplace_activations(gm) if functionalize and method == "export" else 0
-    log.info("captured %s with %s: %d nodes%s%s", name, method, len(gm.graph.nodes),
+    masks = simplify_constant_attention_masks(gm) if method == "export" else 0
+    log.info("captured %s with %s: %d nodes%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
-             f", {functional} in-place ops on activations made out-of-place" if functional else "")
+             f", {functional} in-place ops on activations made out-of-place" if functional else "",
+             f", {masks} constant attention masks dropped" if masks else "")
     return gm
 
 

@@ -1,0 +1,162 @@
+"""Drop attention masks that are constants of the traced shapes, so attention can use its
+fastest kernels.
+
+Under ``torch.export`` HuggingFace models build their causal mask as a tensor (``arange``,
+comparisons, ``expand``) and pass it to ``scaled_dot_product_attention``, where the eager
+model passes no mask and ``is_causal=True``: a traced graph is meant to serve any input, so
+the library does not take the shortcut. An explicit mask keeps CUDA's flash-attention kernel
+out and is one more tensor attention saves for backward. The captured graph here is only
+ever run on inputs of the traced shapes (other shapes are traced and planned again), so a
+mask computed from no input is a constant: it is evaluated once, and where it lets every
+query see every key it is dropped, and where it is exactly the causal (lower-triangular) mask
+it becomes ``is_causal=True``. Masks that depend on an input (a padding ``attention_mask``),
+or hold any other pattern, are left as they are.
+
+Example:
+    >>> import torch
+    >>> class Causal(torch.nn.Module):
+    ...     def forward(self, q):
+    ...         n = q.shape[-2]
+    ...         i = torch.arange(n)
+    ...         mask = i[:, None] >= i[None, :]
+    ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    >>> gm = torch.export.export(Causal(), (torch.randn(1, 2, 4, 8),), strict=False).module()
+    >>> simplify_constant_attention_masks(gm)
+    1
+    >>> [n.kwargs.get("is_causal") for n in gm.graph.nodes if "scaled_dot" in str(n.target)]
+    [True]
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["simplify_constant_attention_masks"]
+
+log = logging.getLogger(__name__)
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _named_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    named = dict(zip(_SDPA_ARGS, node.args))
+    named.update(node.kwargs)
+    return named
+
+
+def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """``node`` and everything it is computed from, in graph order; ``None`` when any of it
+    reads an input or is random (the value is then not a constant)."""
+    seen: dict[torch.fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        if current.op != "call_function" and current.op != "get_attr":
+            return None
+        target = current.target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            return None
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return None
+        seen[current] = None
+        stack.extend(current.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _evaluate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> Any:
+    values: dict[torch.fx.Node, Any] = {}
+    for n in nodes:
+        if n.op == "get_attr":
+            value: Any = gm
+            for part in str(n.target).split("."):
+                value = getattr(value, part)
+            values[n] = value
+            continue
+        args = torch.fx.node.map_arg(n.args, values.__getitem__)
+        kwargs = torch.fx.node.map_arg(n.kwargs, values.__getitem__)
+        values[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+    return values[nodes[-1]]
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """Where the mask lets a query see a key, or ``None`` for a float mask that is not made of
+    0 (attend) and -inf (masked) alone."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    attend = mask == 0
+    if not bool((attend | torch.isneginf(mask)).all()):
+        return None
+    return attend
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
+    """Replace constant all-visible attention masks by none, and constant causal masks by
+    ``is_causal=True``, in ``gm``'s ``aten.scaled_dot_product_attention`` calls.
+
+    Returns how many calls changed; ``gm`` is changed in place and recompiled, and nodes that
+    only computed a dropped mask are removed.
+    """
+    changed = 0
+    candidates: set[torch.fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        named = _named_arguments(node)
+        mask = named.get("attn_mask")
+        query, key = _shape(named.get("query")), _shape(named.get("key"))
+        if not isinstance(mask, torch.fx.Node) or named.get("is_causal") or query is None or key is None:
+            continue
+        ancestry = _ancestors(mask)
+        if ancestry is None:
+            continue
+        try:
+            value = _evaluate(gm, ancestry)
+        except Exception as exc:  # an op that cannot run outside the graph: leave the mask
+            log.debug("attention mask %s not evaluated: %s", mask.name, exc)
+            continue
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
+                isinstance(value, torch._subclasses.FakeTensor):
+            continue
+        allowed = _allowed(value)
+        if allowed is None:
+            continue
+        q_len, kv_len = query[-2], key[-2]
+        try:
+            allowed = allowed.expand(*allowed.shape[:-2], q_len, kv_len)
+        except RuntimeError:
+            continue
+        if bool(allowed.all()):
+            causal = False
+        elif q_len == kv_len and torch.equal(
+                allowed, torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device).tril().expand_as(allowed)):
+            causal = True
+        else:
+            continue
+        named["attn_mask"] = None
+        named["is_causal"] = causal
+        node.args = (named.pop("query"), named.pop("key"), named.pop("value"))
+        node.kwargs = named
+        candidates.update(ancestry)
+        changed += 1
+    if changed:
+        for n in reversed(list(gm.graph.nodes)):
+            if n in candidates and not n.users:
+                gm.graph.erase_node(n)
+        gm.graph.lint()
+        gm.recompile()
+    return changed

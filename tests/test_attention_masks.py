@@ -1,0 +1,95 @@
+"""Constant attention masks in a traced graph: dropped or made ``is_causal`` only where that is
+exactly the same attention, and training stays bit-for-bit the eager model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import bert, gpt2
+from profiling.attention_masks import simplify_constant_attention_masks
+from profiling.measure import loss_of
+from profiling.trace import trace_module
+
+
+def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+
+
+def _mask_of(node: torch.fx.Node):
+    return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+
+
+class ConstantMask(torch.nn.Module):
+    """Attention with a mask built from ``arange`` only: ``kind`` picks its pattern."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        i = torch.arange(q.shape[-2])
+        if self.kind == "causal":
+            mask = i[:, None] >= i[None, :]
+        elif self.kind == "band":
+            mask = (i[:, None] - i[None, :]).abs() <= 1
+        elif self.kind == "float_causal":
+            mask = torch.zeros(q.shape[-2], q.shape[-2]).masked_fill(i[:, None] < i[None, :], float("-inf"))
+        elif self.kind == "float_min":
+            mask = torch.zeros(q.shape[-2], q.shape[-2]).masked_fill(i[:, None] < i[None, :], torch.finfo(q.dtype).min)
+        else:
+            mask = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind, changed, causal", [
+    ("causal", True, True), ("float_causal", True, True), ("all", True, False),
+    ("band", False, None), ("float_min", False, None),
+])
+def test_only_exactly_causal_or_all_visible_constant_masks_change(kind, changed, causal):
+    q = torch.randn(2, 3, 6, 8, requires_grad=True)
+    model = ConstantMask(kind)
+    gm = torch.export.export(model, (q,), strict=False).module()
+    mask_name = _mask_of(_attention_calls(gm)[0]).name
+    assert simplify_constant_attention_masks(gm) == int(changed)
+    (call,) = _attention_calls(gm)
+    if changed:
+        assert _mask_of(call) is None and call.kwargs["is_causal"] is causal
+        assert mask_name not in {n.name for n in gm.graph.nodes}, "the mask's computation is removed"
+    else:
+        assert _mask_of(call) is not None
+    torch.testing.assert_close(gm(q), model(q), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("build, causal", [(gpt2, True), (bert, False)], ids=["gpt2", "bert"])
+def test_hf_models_lose_their_constant_masks_and_train_bit_for_bit(build, causal):
+    model, example = build(layers=2, batch=2, seq_len=32)
+    gm = trace_module(model, example)
+    calls = _attention_calls(gm)
+    assert len(calls) == 2
+    assert all(_mask_of(c) is None and c.kwargs["is_causal"] is causal for c in calls)
+    results = []
+    for module in (model, gm):
+        torch.manual_seed(7)
+        loss = loss_of(module(**example))
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    (eager_loss, eager_grads), (traced_loss, traced_grads) = results
+    assert torch.equal(eager_loss, traced_loss)
+    assert all(torch.equal(eager_grads[k], traced_grads[k]) for k in eager_grads)
+
+
+def test_a_padding_mask_from_the_inputs_is_kept():
+    model, example = gpt2(layers=1, batch=2, seq_len=16)
+    attention_mask = torch.ones(2, 16, dtype=torch.long)
+    attention_mask[1, 12:] = 0
+    example = {**example, "attention_mask": attention_mask}
+    gm = trace_module(model, example)
+    (call,) = _attention_calls(gm)
+    assert _mask_of(call) is not None
+    torch.manual_seed(0)
+    expected = model(**example).logits
+    torch.manual_seed(0)
+    torch.testing.assert_close(gm(**example).logits, expected, rtol=0, atol=0)
