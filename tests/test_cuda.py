@@ -13,6 +13,7 @@ from models import cnn, gpt2, residual_mlp
 from planner import optimize
 from profiling import StepInputs, measure_step_peak_bytes
 from profiling.measure import loss_of
+from test_end_to_end import loss_and_grads
 from torch.utils._pytree import tree_map
 
 pytestmark = [pytest.mark.cuda,
@@ -23,16 +24,6 @@ DEVICE = torch.device("cuda")
 
 def on_device(model: torch.nn.Module, example):
     return model.to(DEVICE), tree_map(lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t, example)
-
-
-def loss_and_grads(module, owner, inputs: StepInputs, seed: int):
-    owner.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = loss_of(module(*inputs.args, **inputs.kwargs))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None}
-    owner.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def test_measured_peak_ignores_other_tensors_on_the_device():
