@@ -1,7 +1,7 @@
 """optimize() on a CUDA GPU: budgets met at ``max_memory_allocated``, training unchanged.
 
 These run only where a CUDA device is present (marked ``cuda``; skipped elsewhere, CI has no
-GPU). The README's "GPU" section records their last result and the command.
+GPU). The README's "Quality on a GPU" section records their last result and the command.
 """
 
 from __future__ import annotations
