@@ -49,7 +49,7 @@ def _named_arguments(node: torch.fx.Node) -> dict[str, Any]:
     return named
 
 
-def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+def _ancestors(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
     """``node`` and everything it is computed from, in graph order; ``None`` when any of it
     reads an input or is random (the value is then not a constant)."""
     seen: dict[torch.fx.Node, None] = {}
@@ -67,7 +67,6 @@ def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node] | None:
             return None
         seen[current] = None
         stack.extend(current.all_input_nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
 
@@ -104,13 +103,43 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _causal_if_constant(gm: torch.fx.GraphModule, ancestry: list[torch.fx.Node], q_len: int,
+                        kv_len: int) -> bool | None:
+    """Evaluate the mask computed by ``ancestry`` (its last node): ``False`` when it lets every
+    query see every key, ``True`` when it is exactly the causal mask, ``None`` otherwise."""
+    try:
+        value = _evaluate(gm, ancestry)
+    except Exception as exc:  # an op that cannot run outside the graph: leave the mask
+        log.debug("attention mask %s not evaluated: %s", ancestry[-1].name, exc)
+        return None
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
+            isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    allowed = _allowed(value)
+    if allowed is None:
+        return None
+    try:
+        allowed = allowed.expand(*allowed.shape[:-2], q_len, kv_len)
+    except RuntimeError:
+        return None
+    if bool(allowed.all()):
+        return False
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device).tril()
+    if q_len == kv_len and torch.equal(allowed, causal.expand_as(allowed)):
+        return True
+    return None
+
+
 def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
     """Replace constant all-visible attention masks by none, and constant causal masks by
     ``is_causal=True``, in ``gm``'s ``aten.scaled_dot_product_attention`` calls.
 
     Returns how many calls changed; ``gm`` is changed in place and recompiled, and nodes that
-    only computed a dropped mask are removed.
+    only computed a dropped mask are removed. A mask shared by several calls (one per layer) is
+    evaluated once.
     """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    decided: dict[tuple[torch.fx.Node, int, int], tuple[list[torch.fx.Node], bool] | None] = {}
     changed = 0
     candidates: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
@@ -121,32 +150,15 @@ def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
         query, key = _shape(named.get("query")), _shape(named.get("key"))
         if not isinstance(mask, torch.fx.Node) or named.get("is_causal") or query is None or key is None:
             continue
-        ancestry = _ancestors(mask)
-        if ancestry is None:
+        memo_key = (mask, query[-2], key[-2])
+        if memo_key not in decided:
+            ancestry = _ancestors(mask, order)
+            causal = None if ancestry is None else _causal_if_constant(gm, ancestry, query[-2], key[-2])
+            decided[memo_key] = None if ancestry is None or causal is None else (ancestry, causal)
+        decision = decided[memo_key]
+        if decision is None:
             continue
-        try:
-            value = _evaluate(gm, ancestry)
-        except Exception as exc:  # an op that cannot run outside the graph: leave the mask
-            log.debug("attention mask %s not evaluated: %s", mask.name, exc)
-            continue
-        if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
-                isinstance(value, torch._subclasses.FakeTensor):
-            continue
-        allowed = _allowed(value)
-        if allowed is None:
-            continue
-        q_len, kv_len = query[-2], key[-2]
-        try:
-            allowed = allowed.expand(*allowed.shape[:-2], q_len, kv_len)
-        except RuntimeError:
-            continue
-        if bool(allowed.all()):
-            causal = False
-        elif q_len == kv_len and torch.equal(
-                allowed, torch.ones(q_len, kv_len, dtype=torch.bool, device=allowed.device).tril().expand_as(allowed)):
-            causal = True
-        else:
-            continue
+        ancestry, causal = decision
         named["attn_mask"] = None
         named["is_causal"] = causal
         node.args = (named.pop("query"), named.pop("key"), named.pop("value"))

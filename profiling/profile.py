@@ -324,8 +324,8 @@ def profile_graph(
 
     Each node's time is its median over ``timing_repeats`` warm training steps run node by node
     after an untimed one (:func:`profiling.node_times.time_nodes_in_passes`; on CUDA, GPU time
-    with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`); nodes running the
-    same op on the same shapes (one per layer in a transformer) then get the median
+    with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`);
+    nodes running the same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
     model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
