@@ -107,6 +107,9 @@ class CostGraph:
     ``loss_names`` the ones backward starts from (all differentiable outputs when empty).
     ``segment_overhead_bytes`` is what each checkpointed segment keeps from its forward to its
     backward besides tensors of the graph (the saved RNG state).
+    ``selective_overhead_ms_per_node`` is the time a selective checkpoint policy adds to each
+    node of a segment that keeps outputs, forward plus recompute (measured by
+    :mod:`profiling.selective_overhead`; 0 when unknown).
     """
 
     nodes: tuple[CostNode, ...]
@@ -115,6 +118,7 @@ class CostGraph:
     loss_names: tuple[str, ...] = ()
     step_ms: float = 0.0
     segment_overhead_bytes: int = 0
+    selective_overhead_ms_per_node: float = 0.0
     measured_peak_bytes: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 

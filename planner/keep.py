@@ -54,20 +54,28 @@ MIN_TIME_SHARE = 1e-4
 
 
 def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str] | frozenset[str]) -> Segment:
-    """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts the rest.
+    """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts the rest,
+    and, when it keeps anything, the selective policy's cost on each of its nodes
+    (``graph.selective_overhead_ms_per_node``).
 
     Example:
+        >>> import dataclasses
         >>> from planner.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, flops=10), CostNode("b", "op", time_ms=1.0)), ())
         >>> segment_with_kept(g, ("a", "b"), {"a"})
         Segment(node_names=('a', 'b'), recompute_ms=1.0, recompute_flops=0, kept_nodes=('a',))
+        >>> g = dataclasses.replace(g, selective_overhead_ms_per_node=0.25)
+        >>> segment_with_kept(g, ("a", "b"), {"a"}).recompute_ms  # 1 ms re-run, 2 nodes x 0.25 ms
+        1.5
     """
     rerun = [graph.nodes[graph.index[name]] for name in node_names if name not in kept]
+    kept_names = tuple(name for name in node_names if name in kept)
+    policy_ms = graph.selective_overhead_ms_per_node * len(node_names) if kept_names else 0.0
     return Segment(
         tuple(node_names),
-        float(sum(n.time_ms for n in rerun)),
+        float(sum(n.time_ms for n in rerun)) + policy_ms,
         sum(n.flops for n in rerun),
-        tuple(name for name in node_names if name in kept),
+        kept_names,
     )
 
 
@@ -113,13 +121,22 @@ def kept_storages(graph: CostGraph, name: str) -> set[int]:
     return {k for k in made | set(node.viewed_storages) if not sizes[k].persistent}
 
 
+def _policy_ms(graph: CostGraph, segment: Segment) -> float:
+    """What running ``segment`` under a selective policy costs in itself."""
+    return graph.selective_overhead_ms_per_node * len(segment.node_names)
+
+
 def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int, str]]:
-    """``(segment index, node name)`` of nodes worth keeping, most time saved per byte first."""
+    """``(segment index, node name)`` of nodes worth keeping, most time saved per byte first;
+    none from a segment where keeping every candidate would save less than the policy costs."""
     sizes = graph.storage_by_key
     total_ms = sum(s.recompute_ms for s in segments) or 1.0
     scored: list[tuple[float, int, str]] = []
     for s, seg in enumerate(segments):
-        for name in keepable_in_segment(graph, seg.node_names):
+        keepable = keepable_in_segment(graph, seg.node_names)
+        if not seg.kept_nodes and sum(graph.node(n).time_ms for n in keepable) <= _policy_ms(graph, seg):
+            continue
+        for name in keepable:
             node = graph.nodes[graph.index[name]]
             if name in seg.kept_nodes or node.time_ms < MIN_TIME_SHARE * total_ms:
                 continue
@@ -190,7 +207,26 @@ def keep_outputs(
     result = build()
     if not fits():  # only when the input itself did not fit: hand it back unchanged
         return list(segments)
+    result = _without_losing_keeps(graph, result, budget_bytes)
     log.info("kept %d node outputs in %d segments (%d replays, %.2f s): recompute %.1f -> %.1f ms",
              sum(len(k) for k in kept), len(segments), replays, time.perf_counter() - started,
              sum(s.recompute_ms for s in segments), sum(s.recompute_ms for s in result))
     return result
+
+
+def _without_losing_keeps(graph: CostGraph, segments: list[Segment], budget_bytes: int) -> list[Segment]:
+    """``segments`` with the kept outputs dropped from each segment whose keeping saves less
+    than its selective policy costs (dropped only while the replayed peak still fits)."""
+    out = list(segments)
+    for i, seg in enumerate(segments):
+        if not seg.kept_nodes:
+            continue
+        plain = segment_with_kept(graph, seg.node_names, set())
+        if plain.recompute_ms > seg.recompute_ms:
+            continue
+        trial = [*out[:i], plain, *out[i + 1:]]
+        if simulate(graph, trial).peak_bytes <= budget_bytes:
+            out = trial
+            log.info("segment %d: kept outputs save %.2f ms, the selective policy costs %.2f ms: recomputed instead",
+                     i, plain.recompute_ms - seg.recompute_ms + _policy_ms(graph, seg), _policy_ms(graph, seg))
+    return out

@@ -27,7 +27,8 @@ class Segment:
 
     A selective segment keeps the outputs of ``kept_nodes`` from the forward, under a selective
     checkpoint policy, and recomputes only the rest (:mod:`planner.keep` chooses them); ``recompute_ms`` and
-    ``recompute_flops`` count what is actually recomputed.
+    ``recompute_flops`` count what is actually recomputed, and ``recompute_ms`` of a selective
+    segment also the time the policy adds to each of its nodes.
     """
 
     node_names: tuple[str, ...]

@@ -220,7 +220,13 @@ def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[Ke
     slower (46 s against 20 s on a 283-node GPT-2) and its plans no cheaper, so it is not
     offered; the keep pass after the ILP (:func:`planner.keep.keep_outputs`) adds such nodes
     one by one where they fit.
+
+    An option saves the time of the nodes it keeps less the selective policy's cost on the
+    stage's nodes (``graph.selective_overhead_ms_per_node``); options that save nothing net are
+    not offered. (The policy also slows the segment's other stages, which the ILP does not
+    count; the plan's cost, from :func:`planner.keep.segment_with_kept`, does.)
     """
+    policy_ms = graph.selective_overhead_ms_per_node * len(stage.node_names)
     inner = keepable_in_segment(graph, stage.node_names)
     every = [name for name in stage.node_names if graph.node(name).selective_save]
     options: list[KeepOption] = []
@@ -228,10 +234,11 @@ def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[Ke
         chosen = [graph.node(name) for name in candidates]
         chosen = [n for n in chosen if n.flops > 0 and n.time_ms > 0]
         names = frozenset(n.name for n in chosen)
-        if not names or any(o.node_names == names for o in options):
+        saved_ms = sum(n.time_ms for n in chosen) - policy_ms
+        if not names or saved_ms <= 0 or any(o.node_names == names for o in options):
             continue
         held = frozenset(k for n in chosen for k in kept_storages(graph, n.name) if k not in returned)
-        options.append(KeepOption(names, sum(n.time_ms for n in chosen), held, ends_segment_allowed=anywhere))
+        options.append(KeepOption(names, saved_ms, held, ends_segment_allowed=anywhere))
     return options
 
 
@@ -583,7 +590,9 @@ def solve(
     With ``selective``, nodes inside the recomputed segments may keep their outputs from the
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
     :func:`planner.keep.keep_outputs` on the ILP's segments and on the finer segments of the
-    smallest-peak plan, whichever ends cheaper.
+    smallest-peak plan, whichever ends cheaper. Keeping costs the selective policy's dispatch
+    time on every node of a segment that keeps anything (``graph.selective_overhead_ms_per_node``);
+    it is kept only where it saves more, and when it pays nowhere the plan is the segments-only one.
 
     Raises:
         InfeasibleBudgetError: no plan found fits; the error names the smallest peak reached.
@@ -618,6 +627,13 @@ def solve(
     if selective:
         plan = _with_kept_outputs(graph, plan, budget_bytes, fallback, max_stages=max_stages, solver=solver,
                                   time_limit_s=time_limit_s, refine_s=refine_s, started=started)
+        if not any(s.kept_nodes for s in plan.segments):
+            # keeping pays nowhere (the policy costs more than it saves): the segments-only
+            # optimum is the answer, and the selective model's segments may not be it
+            plain = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                          max_attempts=max_attempts, refine_s=refine_s, polish=polish)
+            if plain.recompute_ms < plan.recompute_ms:
+                plan = dataclasses.replace(plain, solve_s=time.perf_counter() - started)
     return plan
 
 

@@ -45,6 +45,7 @@ from profiling.node_times import Timer, cpu_timer, time_nodes_in_passes, time_no
 from profiling.roofline import estimate_ms
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
+from profiling.selective_overhead import selective_overhead_ms_per_node
 from profiling.temporaries import FakeAllocationTracker, measure_node_peaks
 from profiling.trace import RUN_ONCE_OPS
 
@@ -337,6 +338,8 @@ def profile_graph(
     :class:`profiling.temporaries.FakeAllocationTracker`), times from a FLOP and bytes roofline for ``target``
     (see :mod:`profiling.roofline`), and nothing is measured. Tensors on the meta device (a
     model built under ``torch.device("meta")``) work in fake mode: nothing is ever allocated.
+    The per-node cost of a selective checkpoint policy is measured on the device
+    (:mod:`profiling.selective_overhead`); in fake mode it is unknown and taken as 0.
 
     Progress goes to the ``profiling.progress`` logger at INFO (every tenth of the nodes and
     each phase); ``progress=True`` draws a tqdm bar instead when tqdm is installed.
@@ -397,6 +400,7 @@ def profile_graph(
         # with no measured step, forward plus backward is taken as three forwards
         step_ms=statistics.median(step_times) if step_times else 3 * sum(n.time_ms for n in nodes),
         segment_overhead_bytes=_rng_state_bytes(device),
+        selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
         measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak and not fake else None,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target},
     )

@@ -285,3 +285,42 @@ def test_ilp_keeps_matmul_outputs_inside_its_segments():
         costs[selective] = (plan.recompute_ms, sum(len(seg.kept_nodes) for seg in plan.segments))
     assert costs[False][1] == 0 and costs[True][1] > 0
     assert costs[True][0] < costs[False][0], costs
+
+
+def test_keeping_pays_for_the_selective_policy_or_is_dropped():
+    """A selective segment runs every node through the policy's dispatch mode: keeping is worth
+    it only where it saves more than that costs. With the cost per node above what a segment's
+    matmuls take, nothing is kept; below it, the matmuls are kept and the plan's recompute
+    time counts the policy's cost on every node of the selective segments."""
+    import dataclasses
+
+    from planner.keep import keep_outputs
+    from planner.plan import Segment
+
+    base = _matmul_blocks(4)
+    names = tuple(n.name for n in base.compute_nodes)
+    everything = [Segment(names, sum(n.time_ms for n in base.compute_nodes), 0)]
+    budget = simulate(base).peak_bytes
+    for per_node_ms, expect_kept in ((4.0, False), (0.5, True)):
+        g = dataclasses.replace(base, selective_overhead_ms_per_node=per_node_ms)
+        kept = keep_outputs(g, everything, budget)
+        assert simulate(g, kept).peak_bytes <= budget
+        assert any(seg.kept_nodes for seg in kept) == expect_kept, per_node_ms
+        for seg in kept:
+            rerun_ms = sum(g.node(n).time_ms for n in seg.node_names if n not in seg.kept_nodes)
+            policy_ms = per_node_ms * len(seg.node_names) if seg.kept_nodes else 0.0
+            assert seg.recompute_ms == pytest.approx(rerun_ms + policy_ms)
+        assert sum(seg.recompute_ms for seg in kept) <= everything[0].recompute_ms
+
+
+def test_ilp_selective_plan_never_pays_more_than_segments_for_its_keeps():
+    """``solve(selective=True)`` counts the policy's cost: when it exceeds what keeping saves,
+    the plan keeps nothing and costs what the segments-only plan costs."""
+    import dataclasses
+
+    g = dataclasses.replace(_matmul_blocks(6), selective_overhead_ms_per_node=50.0)
+    budget = int(simulate(g).peak_bytes * 0.7)
+    selective, plain = solve(g, budget, selective=True), solve(g, budget)
+    assert not any(seg.kept_nodes for seg in selective.segments)
+    assert selective.recompute_ms <= plain.recompute_ms + 1e-9
+    assert simulate(g, selective.segments).peak_bytes <= budget
