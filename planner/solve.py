@@ -47,6 +47,7 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
+from planner.quiet_highs import absorb_highs_banner
 from planner.keep import keep_outputs, keepable_in_segment, kept_storages, segment_with_kept
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
@@ -152,6 +153,7 @@ def _choose_solver(name: str | None) -> str:
 
 def _solver_named(name: str, time_limit_s: float) -> pulp.LpSolver:
     if name == "HiGHS":
+        absorb_highs_banner()  # HiGHS >= 1.16 prints it on stdout, into the CLI's JSON
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
     return _cbc(time_limit_s)
 

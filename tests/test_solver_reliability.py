@@ -366,3 +366,21 @@ def test_budget_planning_at_least_is_the_smallest_budget_with_that_room(planning
     budget = pipeline_module._budget_planning_at_least(planning, reserve, margin)
     assert int((budget - reserve) * (1 - margin)) >= planning
     assert int((budget - 1 - reserve) * (1 - margin)) < planning
+
+
+@pytest.mark.skipif("HiGHS" not in solve_module.available_solvers(), reason="highspy not installed")
+def test_a_highs_solve_prints_nothing_on_stdout():
+    """HiGHS 1.16 prints a copyright banner on file descriptor 1 when a process makes its first
+    solver object, which broke the CLI's JSON on stdout; a solve in a fresh process must leave
+    stdout empty (the banner goes to the DEBUG log)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    code = ("from graphs import chain; from planner import solve, simulate; g = chain([4, 4, 4, 4]); "
+            "solve(g, simulate(g).peak_bytes - 1, solver='HiGHS')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tests.parent, env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
