@@ -22,7 +22,7 @@ class InputError(PlannerError, ValueError):
 
 
 class InfeasibleBudgetError(PlannerError):
-    """No plan keeps the simulated peak under the budget.
+    """No plan the planner found keeps the simulated peak under the budget.
 
     ``min_feasible_bytes`` is the smallest budget found to work, so a user can retry with
     ``budget_gb`` at or above ``min_feasible_bytes / 2**30``; the message's GiB figure is
@@ -34,9 +34,10 @@ class InfeasibleBudgetError(PlannerError):
         self.min_feasible_bytes = int(min_feasible_bytes)
         min_feasible_gb = math.ceil(self.min_feasible_bytes / 2**30 * 1e4) / 1e4
         super().__init__(
-            f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below what any plan "
-            f"reaches; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
-            f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size"
+            f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below the smallest peak "
+            f"the planner found; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
+            f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size "
+            f"(a larger max_stages searches finer, slower, and may find a smaller one)"
         )
 
 
