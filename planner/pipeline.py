@@ -155,9 +155,10 @@ def optimize(
             ``budget * (1 - safety_margin)``.
         selective: after choosing segments, decide node by node which outputs inside them
             are kept from the forward (a selective checkpoint policy) instead of recomputed,
-            by measured time per byte held (:mod:`planner.keep`). Fewer recomputed FLOPs;
-            slower to plan (a second ILP for the smallest-peak segments); see the README for
-            what it measured.
+            by measured time per byte held (:mod:`planner.keep`), in segments where keeping
+            saves more than the policy's own per-node cost (measured by the profiler). Fewer
+            recomputed FLOPs; slower to plan (a second ILP for the smallest-peak segments); see
+            the README for what it measured.
         world_size: plan the per-rank peak with parameters and their gradients sharded over this
             many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
         cache_dir: a folder for profiles (JSON, keyed by a fingerprint of the graph, input shapes,
