@@ -207,14 +207,14 @@ def keep_outputs(
     result = build()
     if not fits():  # only when the input itself did not fit: hand it back unchanged
         return list(segments)
-    result = _without_losing_keeps(graph, result, budget_bytes)
+    result = _drop_unprofitable_keeps(graph, result, budget_bytes)
     log.info("kept %d node outputs in %d segments (%d replays, %.2f s): recompute %.1f -> %.1f ms",
-             sum(len(k) for k in kept), len(segments), replays, time.perf_counter() - started,
+             sum(len(s.kept_nodes) for s in result), len(segments), replays, time.perf_counter() - started,
              sum(s.recompute_ms for s in segments), sum(s.recompute_ms for s in result))
     return result
 
 
-def _without_losing_keeps(graph: CostGraph, segments: list[Segment], budget_bytes: int) -> list[Segment]:
+def _drop_unprofitable_keeps(graph: CostGraph, segments: list[Segment], budget_bytes: int) -> list[Segment]:
     """``segments`` with the kept outputs dropped from each segment whose keeping saves less
     than its selective policy costs (dropped only while the replayed peak still fits)."""
     out = list(segments)

@@ -47,8 +47,8 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
-from planner.quiet_highs import absorb_highs_banner
 from planner.keep import keep_outputs, keepable_in_segment, kept_storages, segment_with_kept
+from planner.quiet_highs import absorb_highs_banner
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
