@@ -22,7 +22,7 @@ from common import GIB, benchmark_logging, step_time_ratios
 from models import gpt2
 
 from planner import optimize
-from planner.keep import segment_with_kept
+from planner.keep import policy_ms, segment_with_kept
 from profiling import StepInputs, measure_step_peak_bytes, trace_module
 from rewrite.apply import CheckpointedModule, apply_plan
 
@@ -48,13 +48,13 @@ def main() -> None:
     recomputed = CheckpointedModule(apply_plan(trace_module(model, example), unkept), model, unkept,
                                     cost_graph=graph, example_inputs=example)
     kept_ms = sum(graph.node(name).time_ms for s in plan.segments for name in s.kept_nodes)
-    policy_ms = graph.selective_overhead_ms_per_node * sum(len(s.node_names) for s in plan.segments if s.kept_nodes)
+    policy_cost_ms = sum(policy_ms(graph, s.node_names) for s in plan.segments if s.kept_nodes)
     ratios = step_time_ratios([model, recomputed, selective], inputs, args.repeats)
     print(f"GPT-2 width 256 at {args.fraction:.0%} of its peak: {len(plan.segments)} segments, "
           f"{sum(len(s.kept_nodes) for s in plan.segments)} kept nodes")
     print(f"predicted: segments fully recomputed +{unkept.overhead_ratio:.1%}, selective +{plan.overhead_ratio:.1%} "
           f"(kept nodes save {kept_ms / graph.step_ms:.1%} of the step, the selective policy costs "
-          f"{policy_ms / graph.step_ms:.1%})")
+          f"{policy_cost_ms / graph.step_ms:.1%})")
     print(f"measured:  segments fully recomputed {ratios[1]:.3f}x, selective {ratios[2]:.3f}x "
           f"(keeping saved {ratios[1] - ratios[2]:.1%} of the step)")
 

@@ -45,12 +45,25 @@ from planner.plan import Segment
 from planner.refine import GUARD_FACTOR, replay_budget
 from planner.simulate import simulate
 
-__all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "segment_with_kept"]
+__all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
 
 log = logging.getLogger(__name__)
 
 #: nodes faster than this share of the recomputed time are not worth a keep decision
 MIN_TIME_SHARE = 1e-4
+
+
+def policy_ms(graph: CostGraph, node_names: Sequence[str]) -> float:
+    """What running ``node_names`` under a selective checkpoint policy costs in itself
+    (``graph.selective_overhead_ms_per_node`` on each node).
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("a", "op"),), (), selective_overhead_ms_per_node=0.5)
+        >>> policy_ms(g, ("a",))
+        0.5
+    """
+    return graph.selective_overhead_ms_per_node * len(node_names)
 
 
 def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str] | frozenset[str]) -> Segment:
@@ -70,10 +83,10 @@ def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str
     """
     rerun = [graph.nodes[graph.index[name]] for name in node_names if name not in kept]
     kept_names = tuple(name for name in node_names if name in kept)
-    policy_ms = graph.selective_overhead_ms_per_node * len(node_names) if kept_names else 0.0
+    policy_cost_ms = policy_ms(graph, node_names) if kept_names else 0.0
     return Segment(
         tuple(node_names),
-        float(sum(n.time_ms for n in rerun)) + policy_ms,
+        float(sum(n.time_ms for n in rerun)) + policy_cost_ms,
         sum(n.flops for n in rerun),
         kept_names,
     )
@@ -121,11 +134,6 @@ def kept_storages(graph: CostGraph, name: str) -> set[int]:
     return {k for k in made | set(node.viewed_storages) if not sizes[k].persistent}
 
 
-def _policy_ms(graph: CostGraph, segment: Segment) -> float:
-    """What running ``segment`` under a selective policy costs in itself."""
-    return graph.selective_overhead_ms_per_node * len(segment.node_names)
-
-
 def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int, str]]:
     """``(segment index, node name)`` of nodes worth keeping, most time saved per byte first;
     none from a segment where keeping every candidate would save less than the policy costs."""
@@ -134,7 +142,8 @@ def _candidates(graph: CostGraph, segments: Sequence[Segment]) -> list[tuple[int
     scored: list[tuple[float, int, str]] = []
     for s, seg in enumerate(segments):
         keepable = keepable_in_segment(graph, seg.node_names)
-        if not seg.kept_nodes and sum(graph.node(n).time_ms for n in keepable) <= _policy_ms(graph, seg):
+        saves_at_most_ms = sum(graph.node(n).time_ms for n in keepable)
+        if not seg.kept_nodes and saves_at_most_ms <= policy_ms(graph, seg.node_names):
             continue
         for name in keepable:
             node = graph.nodes[graph.index[name]]
@@ -227,6 +236,7 @@ def _drop_unprofitable_keeps(graph: CostGraph, segments: list[Segment], budget_b
         trial = [*out[:i], plain, *out[i + 1:]]
         if simulate(graph, trial).peak_bytes <= budget_bytes:
             out = trial
+            cost_ms = policy_ms(graph, seg.node_names)
             log.info("segment %d: kept outputs save %.2f ms, the selective policy costs %.2f ms: recomputed instead",
-                     i, plain.recompute_ms - seg.recompute_ms + _policy_ms(graph, seg), _policy_ms(graph, seg))
+                     i, plain.recompute_ms - seg.recompute_ms + cost_ms, cost_ms)
     return out

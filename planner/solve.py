@@ -47,7 +47,7 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
-from planner.keep import keep_outputs, keepable_in_segment, kept_storages, segment_with_kept
+from planner.keep import keep_outputs, keepable_in_segment, kept_storages, policy_ms, segment_with_kept
 from planner.quiet_highs import absorb_highs_banner
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.simulate import simulate
@@ -228,7 +228,7 @@ def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[Ke
     not offered. (The policy also slows the segment's other stages, which the ILP does not
     count; the plan's cost, from :func:`planner.keep.segment_with_kept`, does.)
     """
-    policy_ms = graph.selective_overhead_ms_per_node * len(stage.node_names)
+    policy_cost_ms = policy_ms(graph, stage.node_names)
     inner = keepable_in_segment(graph, stage.node_names)
     every = [name for name in stage.node_names if graph.node(name).selective_save]
     options: list[KeepOption] = []
@@ -236,7 +236,7 @@ def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[Ke
         chosen = [graph.node(name) for name in candidates]
         chosen = [n for n in chosen if n.flops > 0 and n.time_ms > 0]
         names = frozenset(n.name for n in chosen)
-        saved_ms = sum(n.time_ms for n in chosen) - policy_ms
+        saved_ms = sum(n.time_ms for n in chosen) - policy_cost_ms
         if not names or saved_ms <= 0 or any(o.node_names == names for o in options):
             continue
         held = frozenset(k for n in chosen for k in kept_storages(graph, n.name) if k not in returned)
