@@ -77,6 +77,7 @@ def plan_for_budget(
     selective: bool = False,
     world_size: int = 1,
     grads_held: bool = False,
+    exact: bool | None = None,
 ) -> Plan:
     """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
 
@@ -87,6 +88,7 @@ def plan_for_budget(
     ``world_size`` > 1 plans the per-rank step with parameters and their gradients sharded over
     that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
+    ``exact``: see :func:`planner.solve.solve`.
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -111,7 +113,7 @@ def plan_for_budget(
     graph = protect_reads_before_writes(graph)
     try:
         plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                     selective=selective)
+                     selective=selective, exact=exact)
     except InfeasibleBudgetError as exc:
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, safety_margin)) from None
@@ -134,6 +136,7 @@ def optimize(
     world_size: int = 1,
     cache_dir: str | None = None,
     progress: bool = False,
+    exact: bool | None = None,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -165,6 +168,11 @@ def optimize(
             torch version and target): another budget for the same model skips profiling.
         progress: draw a tqdm bar while profiling (when tqdm is installed); progress of
             profiling and solving is logged at INFO either way.
+        exact: after the ILP, search an optimistic memory account checked against the simulator
+            until it proves the plan the cheapest over the stages or finds a cheaper one
+            (:mod:`planner.relaxation`). None (default): only on graphs of fewer than 64 compute
+            nodes, where it is fast; True on a real model costs 1.5x to 8x the solve time for up to
+            a tenth less recompute (README).
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -189,7 +197,7 @@ def optimize(
         _budget_bytes(reserve_gb, "reserve_gb")
     check_model_and_inputs(model, example_inputs)
     replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
-                       safety_margin, selective, world_size, cache_dir, progress)
+                       safety_margin, selective, world_size, cache_dir, progress, exact)
     gm, plan, graph = replan(model, example_inputs)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
@@ -220,6 +228,7 @@ class Replanner:
     world_size: int = 1
     cache_dir: str | None = None
     progress: bool = False
+    exact: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -240,7 +249,7 @@ class Replanner:
             plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
                                    safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
                                    time_limit_s=self.time_limit_s, selective=self.selective,
-                                   world_size=self.world_size, grads_held=grads_held)
+                                   world_size=self.world_size, grads_held=grads_held, exact=self.exact)
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
@@ -259,4 +268,5 @@ class Replanner:
                                         measured_peak_bytes=None)
         return plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb, safety_margin=self.safety_margin,
                                max_stages=self.max_stages, solver=self.solver, time_limit_s=self.time_limit_s,
-                               selective=self.selective, world_size=self.world_size, grads_held=grads_held)
+                               selective=self.selective, world_size=self.world_size, grads_held=grads_held,
+                               exact=self.exact)
