@@ -68,7 +68,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     from planner.pipeline import optimize
 
     model, example_inputs = load_entry_point(args.target)
-    opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages)
+    opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
+                   exact=args.exact or None)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -143,7 +144,8 @@ def _check_command(args: argparse.Namespace) -> int:
     plans = []
     for budget in budgets:
         try:
-            plans.append((budget, plan_for_budget(graph, budget / 2**30, max_stages=args.max_stages), None))
+            plan = plan_for_budget(graph, budget / 2**30, max_stages=args.max_stages, exact=args.exact or None)
+            plans.append((budget, plan, None))
         except InfeasibleBudgetError as exc:
             plans.append((budget, None, exc.min_feasible_bytes))
     current = baseline_from(graph, [(b, dataclasses.replace(p, budget_bytes=b) if p else None, m)
@@ -176,7 +178,7 @@ def _report_command(args: argparse.Namespace) -> int:
         graph = profile_graph(_captured(module, inputs), inputs, fake=True, target=args.target_device)
     else:
         graph = profile_graph(_captured(module, inputs), inputs)
-    plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages)
+    plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages, exact=args.exact or None)
     plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
     report = build_report(graph, plan, model_name=name, sweep_plans=plans)
     sys.stdout.write(render(report, args.format))
@@ -196,6 +198,9 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling PATH (runs code from the file)")
     parser.add_argument("--max-stages", type=int, default=32)
+    parser.add_argument("--exact", action="store_true",
+                        help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
+                             "large graphs; on by default under 64 compute nodes)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -235,6 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")
     plan.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
     plan.add_argument("--max-stages", type=int, default=32)
+    plan.add_argument("--exact", action="store_true",
+                        help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
+                             "large graphs; on by default under 64 compute nodes)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.set_defaults(func=_plan_command)
     return parser

@@ -180,3 +180,20 @@ def test_target_device_plans_on_fake_tensors_with_the_same_bytes_as_the_python_a
     assert data["plan"]["predicted_peak_bytes"] <= data["plan"]["budget_bytes"]
     bad = cli("report", str(root / "gpt2"), "--budget-gb", "1", "--target", "tpu9")
     assert bad.returncode == 2 and "unknown target device 'tpu9'" in bad.stderr
+
+
+def test_exact_flag_proves_or_improves_the_plan_on_a_larger_graph(saved):
+    """GPT-2's graph has more than 64 compute nodes, so the exact search is opt-in there:
+    ``--exact`` never costs more than the default plan, and its plan is proven within the gap."""
+    root, _, _ = saved
+    reports = []
+    for extra in ((), ("--exact",)):
+        result = cli("report", str(root / "gpt2"), "--budget-gb", "0.0017", "--batch-size", "2", "--seq-len", "32",
+                     "--format", "json", *extra)
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(result.stdout)["plan"])
+    default, exact = reports
+    assert exact["predicted_peak_bytes"] <= exact["budget_bytes"]
+    assert default["segment_count"] >= 1
+    assert exact["recompute_ms"] <= default["recompute_ms"] + 1e-9
+    assert exact["optimality_gap"] is not None
