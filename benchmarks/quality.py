@@ -19,6 +19,7 @@ the time bar is out of reach of any plan by the simulator's account.
 
     python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--readme]
     python benchmarks/quality.py --device cuda [--readme]   # on a GPU: the *_gpu models, CUDA events
+    python benchmarks/quality.py --exact [--models mlp]     # plans with exact=True, to quality_exact.*
 """
 
 from __future__ import annotations
@@ -100,14 +101,15 @@ class ModelResult:
 
 
 def _planned(model: torch.nn.Module, example: Any, budget_bytes: int, selective: bool,
-             cache_dir: str) -> tuple[torch.nn.Module, bool]:
+             cache_dir: str, exact: bool | None = None) -> tuple[torch.nn.Module, bool]:
     try:
-        return optimize(model, example, budget_gb=budget_bytes / GIB, selective=selective, cache_dir=cache_dir), False
+        return optimize(model, example, budget_gb=budget_bytes / GIB, selective=selective, cache_dir=cache_dir,
+                        exact=exact), False
     except InfeasibleBudgetError as exc:
         log.info("%d bytes infeasible; planning at the smallest feasible budget %d", budget_bytes,
                  exc.min_feasible_bytes)
         return optimize(model, example, budget_gb=exc.min_feasible_bytes / GIB, selective=selective,
-                        cache_dir=cache_dir), True
+                        cache_dir=cache_dir, exact=exact), True
 
 
 def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
@@ -116,7 +118,7 @@ def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
     return sum(n.time_ms for n in graph.compute_nodes if n.module.startswith(f"{layers_name}."))
 
 
-def run_model(name: str, repeats: int, cache_dir: str, device: torch.device) -> ModelResult:
+def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exact: bool | None = None) -> ModelResult:
     model, example = to_device(*ALL_MODELS[name][1](), device)
     inputs = StepInputs.from_example(example)
     every = checkpoint_every_k(model, 1)
@@ -129,7 +131,7 @@ def run_model(name: str, repeats: int, cache_dir: str, device: torch.device) -> 
     for target, budget in (("every-layer peak", result.every_peak_bytes), ("50 %", base_peak // 2)):
         for selective in (False, True):
             started = time.perf_counter()
-            opt, at_minimum = _planned(model, example, budget, selective, cache_dir)
+            opt, at_minimum = _planned(model, example, budget, selective, cache_dir, exact)
             plan, graph = opt.plan, opt.cost_graph
             result.every_recompute_ms = layers_forward_ms(graph, layers_name)
             bound_ms = recompute_lower_bound_ms(graph, int(plan.budget_bytes * 0.99))
@@ -201,7 +203,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    parser.add_argument("--exact", action="store_true",
+                        help="plan with optimize(..., exact=True); written to quality[_cuda]_exact.*, not the README")
     args = parser.parse_args()
+    if args.exact and args.readme:
+        parser.error("--exact writes its own files; the README's table is the default planner's")
     benchmark_logging()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -214,7 +220,7 @@ def main() -> None:
     results: list[ModelResult] = []
     with tempfile.TemporaryDirectory(prefix="quality-profiles-") as cache_dir:
         for name in models:
-            results.append(run_model(name, args.repeats, cache_dir, device))
+            results.append(run_model(name, args.repeats, cache_dir, device, exact=True if args.exact else None))
             log.info("%s done at %.0f s", name, time.perf_counter() - started)
     import pandas
 
@@ -222,9 +228,9 @@ def main() -> None:
              "every_extra_flops": r.every_extra_flops, "base_peak_bytes": r.base_peak_bytes,
              "base_flops": r.base_flops} for r in results for row in r.rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "quality" if device.type == "cpu" else "quality_cuda"
+    stem = ("quality" if device.type == "cpu" else "quality_cuda") + ("_exact" if args.exact else "")
     pandas.DataFrame(rows).to_csv(args.out / f"{stem}.csv", index=False)
-    text = markdown(results, args.repeats, where, time.perf_counter() - started)
+    text = markdown(results, args.repeats, where + (", exact=True" if args.exact else ""), time.perf_counter() - started)
     (args.out / f"{stem}.md").write_text(text)
     print(text)
     if args.readme:
