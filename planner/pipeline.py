@@ -171,7 +171,7 @@ def optimize(
         exact: after the ILP, search an optimistic memory account checked against the simulator
             until it proves the plan the cheapest over the stages or finds a cheaper one
             (:mod:`planner.relaxation`). None (default): only on graphs of fewer than 64 compute
-            nodes, where it is fast; True on a real model costs 1.5x to 8x the solve time for up to
+            nodes, where it is fast; True on a real model costs 2x to 7x the solve time for up to
             a tenth less recompute (README).
 
     Returns:
