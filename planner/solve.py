@@ -669,10 +669,16 @@ def solve(
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s, exact=exact)
         if fallback.predicted_peak_bytes > budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
-        # the fallback minimised the peak, so no gap on the recompute cost is known
-        plan = dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None)
-        plan = _refined(graph, plan, budget_bytes, refine_s, started)
+            if not selective:
+                raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
+            # the selective ILP (more binaries) can miss a budget the segments-only one meets;
+            # its plan is then where keeping starts
+            plan = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                         max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact)
+        else:
+            # the fallback minimised the peak, so no gap on the recompute cost is known
+            plan = dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None)
+            plan = _refined(graph, plan, budget_bytes, refine_s, started)
     if selective:
         plan = _with_kept_outputs(graph, plan, budget_bytes, fallback, max_stages=max_stages, solver=solver,
                                   time_limit_s=time_limit_s, refine_s=refine_s, started=started)

@@ -324,3 +324,30 @@ def test_ilp_selective_plan_never_pays_more_than_segments_for_its_keeps():
     assert not any(seg.kept_nodes for seg in selective.segments)
     assert selective.recompute_ms <= plain.recompute_ms + 1e-9
     assert simulate(g, selective.segments).peak_bytes <= budget
+
+
+def test_selective_solve_falls_back_to_the_segments_only_plan_where_its_own_ilp_misses(monkeypatch):
+    """The selective ILP has more binaries and can miss a budget the segments-only ILP meets
+    (seen on GPT-2 width 768 at 50 %): forced here, the selective solve still plans that
+    budget, starting from the segments-only plan, instead of refusing it."""
+    import dataclasses
+    import importlib
+
+    solve_module = importlib.import_module("planner.solve")
+    g = _matmul_blocks(6)
+    budget = int(simulate(g).peak_bytes * 0.7)
+    real_tightened, real_floor = solve_module._tightened, solve_module.minimum_peak_plan
+
+    def selective_misses(graph, model, *args):
+        return None if any(model.keep_options) else real_tightened(graph, model, *args)
+
+    def floor_over_budget(*args, **kwargs):
+        plan = real_floor(*args, **kwargs)
+        return dataclasses.replace(plan, predicted_peak_bytes=budget + 1)
+
+    monkeypatch.setattr(solve_module, "_tightened", selective_misses)
+    monkeypatch.setattr(solve_module, "minimum_peak_plan", floor_over_budget)
+    plain = solve(g, budget, exact=False)
+    selective = solve(g, budget, selective=True, exact=False)
+    assert simulate(g, selective.segments).peak_bytes <= budget
+    assert selective.recompute_ms <= plain.recompute_ms + 1e-9
