@@ -131,9 +131,9 @@ class _Account:
 
         unoptimized = simulate(graph)
         self.moments = [(phase, name, live) for phase, name, live in unoptimized.timeline if live > budget_bytes]
-        self.runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
+        runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
         self.saving_backward = sorted(self.pos[n.name] for n in graph.compute_nodes
-                                      if n.saved_storages and n.name in self.runs_backward)
+                                      if n.saved_storages and n.name in runs_backward)
         self.time_ms = [sum(graph.node(n).time_ms for n in st.node_names) for st in stages]
         count = len(stages)
         self.runs = [(a, b) for a in range(count) for b in range(a, count)
@@ -154,7 +154,6 @@ class _Account:
                 self.prob += pulp.lpSum(cover) <= 1, f"one_segment_over_stage_{j}"
         self._freed: dict[tuple[int, int], pulp.LpVariable] = {}
         self._held: dict[tuple[int, int], pulp.LpVariable | None] = {}
-        self._credit: dict[tuple[int, int], pulp.LpVariable] = {}
         self.constrained: set[tuple[str, str]] = set()
 
     def _var(self, name: str, **kwargs: object) -> pulp.LpVariable:
@@ -164,14 +163,7 @@ class _Account:
 
     def _stage_at(self, position: int) -> int:
         """The stage whose first node is at or before ``position`` (-1 before the first)."""
-        lo, hi = 0, len(self.first_pos)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.first_pos[mid] <= position:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
+        return bisect.bisect_right(self.first_pos, position) - 1
 
     def cost_ms(self, runs: list[Run]) -> float:
         return sum(sum(self.time_ms[a : b + 1]) for a, b in runs)

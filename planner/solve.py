@@ -570,11 +570,15 @@ def minimum_peak_plan(
     peak = simulate(graph, segments).peak_bytes
     if peak > unoptimized:
         segments, peak = [], unoptimized
-    if exact is None:
-        exact = len(graph.compute_nodes) < ALL_CUTS_BELOW
-    if exact and segments:
+    if _exact_search_on(graph, exact) and segments:
         segments, peak = _lowest_by_bisection(graph, model, segments, peak, solver, time_limit_s)
     return _to_plan(graph, segments, peak, unoptimized, peak, result.solver, time.perf_counter() - started, result)
+
+
+def _exact_search_on(graph: CostGraph, exact: bool | None) -> bool:
+    """``exact``, or by default whether the graph is small enough (under 64 compute nodes) for
+    the exact search to take milliseconds."""
+    return len(graph.compute_nodes) < ALL_CUTS_BELOW if exact is None else exact
 
 
 def _lowest_by_bisection(graph: CostGraph, model: _StageModel, segments: list[Segment], peak: int,
@@ -655,8 +659,7 @@ def solve(
     model = _stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
     ilp_found = plan is not None
-    if exact is None:
-        exact = len(graph.compute_nodes) < ALL_CUTS_BELOW
+    exact = _exact_search_on(graph, exact)
     if exact and not selective:
         plan = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized, solver, time_limit_s,
                                                started)
