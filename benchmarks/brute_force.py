@@ -29,6 +29,7 @@ from graphs import random_dag  # noqa: E402
 
 from planner import InfeasibleBudgetError, simulate, solve  # noqa: E402
 from planner.costgraph import CostGraph  # noqa: E402
+from planner.rerun import rerun_cost  # noqa: E402
 
 #: budgets between the smallest feasible peak (0) and the unoptimized peak (1)
 FRACTIONS = (0.05, 0.35, 0.7)
@@ -51,7 +52,7 @@ def every_plan(graph: CostGraph) -> list[tuple[int, float]]:
     out = []
     for runs in run_sets(len(compute)):
         segments = [[n.name for n in compute[a : b + 1]] for a, b in runs]
-        cost = sum(n.time_ms for a, b in runs for n in compute[a : b + 1])
+        cost = sum(rerun_cost(graph, segment)[0] for segment in segments)
         out.append((simulate(graph, segments).peak_bytes, cost))
     return out
 

@@ -3,13 +3,15 @@ plan can be, and whether a target overhead is reachable at all on the profiled t
 
 Take a moment of the unoptimized step (a node's forward or backward) where the simulator's
 live bytes exceed the budget. A plan changes nothing at that moment but the storages saved for
-backward by nodes that already ran their forward and not yet their backward: such a storage is
-gone only if every node that saved it is recomputed (and not kept). So a plan that fits must
-recompute nodes whose saved storages add up to at least ``live - budget_bytes`` there.
-Crediting each node with all the storages it saves (even those other nodes also save) and
-allowing fractions of nodes (a fractional knapsack, cheapest time per byte first) can only lower
-the needed time; the largest of these over the moments is a lower bound on the forward time of
-the recomputed nodes of any plan, by the simulator's account.
+backward by nodes that already ran their forward and not yet their backward. Such a storage is
+gone only if the node that made it runs again in a recompute (a storage the recompute does not
+remake is an input of its segment, held until that segment's backward). The recompute pays for
+that node in full, or, when the node saves the storage itself, at least for the part of it
+before its last save (:mod:`planner.rerun`: a recompute stops there). So a plan that fits must
+rerun makers of saved storages adding up to at least ``live - budget_bytes`` there. Allowing
+fractions of nodes (a fractional knapsack, cheapest time per byte first) can only lower the
+needed time; the largest of these over the moments is a lower bound on the recompute time of
+any plan, by the plan's own account.
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -27,6 +29,7 @@ Example:
 from __future__ import annotations
 
 from planner.costgraph import CostGraph
+from planner.rerun import after_last_save_fraction
 from planner.simulate import simulate
 
 __all__ = ["recompute_lower_bound_ms"]
@@ -70,18 +73,37 @@ def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments
     if not any(n.kind == "compute" for n in graph.nodes):
         return float("inf")
     position = {n.name: i for i, n in enumerate(graph.nodes)}
-    credit: list[tuple[int, float, int]] = []  # (position, ms, bytes it could free)
-    for node in graph.compute_nodes:
-        freed = sum(sizes[k].size_bytes for k in set(node.saved_storages)
-                    if not sizes[k].persistent and k not in returned)
-        if node.recomputable and freed > 0:
-            credit.append((position[node.name], node.time_ms, freed))
+    maker: dict[int, str] = {}  # storage -> the node that made it (first to output or save it)
+    savers: dict[int, list[str]] = {}
+    for node in graph.nodes:
+        for k in (*node.output_storages, *node.saved_storages):
+            maker.setdefault(k, node.name)
+        for k in set(node.saved_storages):
+            savers.setdefault(k, []).append(node.name)
+    # (first saver's position, maker, bytes) of every saved storage a plan could free
+    freeable: list[tuple[int, str, int]] = []
+    for k, names in savers.items():
+        made_by = graph.node(maker[k])
+        if sizes[k].persistent or k in returned or made_by.kind != "compute" or not made_by.recomputable:
+            continue
+        if all(graph.node(n).recomputable for n in names):
+            freeable.append((min(position[n] for n in names), made_by.name, sizes[k].size_bytes))
+    saves_own = {name for k, names in savers.items() for name in names if maker.get(k) == name}
+    least_ms = {}
+    for name in {m for _, m, _ in freeable}:
+        node = graph.node(name)
+        share = 1.0 - after_last_save_fraction(graph, node) if name in saves_own else 1.0
+        least_ms[name] = node.time_ms * share
     moments = sorted((m for m in unoptimized.timeline if m[2] > budget_bytes), key=lambda m: -m[2])[:max_moments]
     bound = 0.0
     for phase, name, live_bytes in moments:
-        # saved storages held at this moment: those of nodes up to this one (forward: already
-        # run; backward: backward not yet finished)
+        # saved storages held at this moment: those first saved by nodes up to this one
+        # (forward: already run; backward: backward not yet finished)
         here = position[name]
-        options = [(ms / freed, ms, freed) for pos, ms, freed in credit if pos <= here]
+        freed_by: dict[str, int] = {}
+        for first, made_by, size in freeable:
+            if first <= here:
+                freed_by[made_by] = freed_by.get(made_by, 0) + size
+        options = [(least_ms[m] / freed, least_ms[m], freed) for m, freed in freed_by.items()]
         bound = max(bound, _knapsack_ms(options, live_bytes - budget_bytes))
     return bound

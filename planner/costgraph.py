@@ -73,6 +73,11 @@ class CostNode:
             nothing in place and draws no random numbers); :mod:`planner.keep` decides which.
         viewed_storages: storages of its inputs that ops inside the node return views of (a
             linear reshapes its input): a selective policy keeping the node holds them too.
+        after_last_save_fraction: the share of the node's forward (time and FLOPs) that runs
+            after autograd saved its last tensor for backward. A checkpoint recompute stops
+            there when the node is the last of its segment to save anything (a linear saves
+            its inputs before its matmul: 1.0; a relu saves its output after: 0.0). None when
+            not measured: :mod:`planner.rerun` then infers it from the saved storages.
     """
 
     name: str
@@ -93,8 +98,12 @@ class CostNode:
     backward_peak_bytes: int = 0
     selective_save: bool = False
     viewed_storages: tuple[int, ...] = ()
+    after_last_save_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        if self.after_last_save_fraction is not None and not 0.0 <= self.after_last_save_fraction <= 1.0:
+            raise ValueError(f"node {self.name!r}: after_last_save_fraction must be in [0, 1], "
+                             f"got {self.after_last_save_fraction!r}")
         if self.kind not in NODE_KINDS:
             raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
 

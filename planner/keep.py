@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.refine import GUARD_FACTOR, replay_budget
+from planner.rerun import rerun_cost, rerun_node_names
 from planner.simulate import simulate
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
@@ -66,30 +67,31 @@ def policy_ms(graph: CostGraph, node_names: Sequence[str]) -> float:
     return graph.selective_overhead_ms_per_node * len(node_names)
 
 
-def segment_with_kept(graph: CostGraph, node_names: Sequence[str], kept: set[str] | frozenset[str]) -> Segment:
-    """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts the rest,
-    and, when it keeps anything, the selective policy's cost on each of its nodes
-    (``graph.selective_overhead_ms_per_node``).
+def segment_with_kept(graph: CostGraph, node_names: Sequence[str],
+                      kept: set[str] | frozenset[str] = frozenset()) -> Segment:
+    """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts what its
+    recompute reruns (:func:`planner.rerun.rerun_cost`: not the kept nodes, not what follows
+    the last saved tensor) and, when it keeps anything, the selective policy's cost on each of
+    its nodes (``graph.selective_overhead_ms_per_node``).
 
     Example:
         >>> import dataclasses
         >>> from planner.costgraph import CostGraph, CostNode, Storage
-        >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, flops=10), CostNode("b", "op", time_ms=1.0)), ())
+        >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, flops=10, output_storages=(0,)),
+        ...                CostNode("b", "op", time_ms=1.0, output_storages=(1,), saved_storages=(1,))),
+        ...               (Storage(0, 8), Storage(1, 8)))
         >>> segment_with_kept(g, ("a", "b"), {"a"})
-        Segment(node_names=('a', 'b'), recompute_ms=1.0, recompute_flops=0, kept_nodes=('a',))
+        Segment(node_names=('a', 'b'), recompute_ms=1.0, recompute_flops=0, kept_nodes=('a',), skipped_nodes=())
         >>> g = dataclasses.replace(g, selective_overhead_ms_per_node=0.25)
         >>> segment_with_kept(g, ("a", "b"), {"a"}).recompute_ms  # 1 ms re-run, 2 nodes x 0.25 ms
         1.5
     """
-    rerun = [graph.nodes[graph.index[name]] for name in node_names if name not in kept]
     kept_names = tuple(name for name in node_names if name in kept)
+    rerun = set(rerun_node_names(graph, node_names))
+    skipped = tuple(name for name in node_names if name not in rerun and name not in kept)
+    time_ms, flops = rerun_cost(graph, node_names, kept_names)
     policy_cost_ms = policy_ms(graph, node_names) if kept_names else 0.0
-    return Segment(
-        tuple(node_names),
-        float(sum(n.time_ms for n in rerun)) + policy_cost_ms,
-        sum(n.flops for n in rerun),
-        kept_names,
-    )
+    return Segment(tuple(node_names), time_ms + policy_cost_ms, flops, kept_names, skipped)
 
 
 def keepable_in_segment(graph: CostGraph, node_names: Sequence[str]) -> list[str]:

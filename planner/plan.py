@@ -26,7 +26,9 @@ class Segment:
     """A contiguous run of nodes run under one ``torch.utils.checkpoint`` call.
 
     A selective segment keeps the outputs of ``kept_nodes`` from the forward, under a selective
-    checkpoint policy, and recomputes only the rest (:mod:`planner.keep` chooses them); ``recompute_ms`` and
+    checkpoint policy, and recomputes only the rest (:mod:`planner.keep` chooses them).
+    ``skipped_nodes`` are the nodes the recompute never runs: it stops once the last tensor
+    the segment saved is saved again (:mod:`planner.rerun`). ``recompute_ms`` and
     ``recompute_flops`` count what is actually recomputed, and ``recompute_ms`` of a selective
     segment also the time the policy adds to each of its nodes.
     """
@@ -35,6 +37,7 @@ class Segment:
     recompute_ms: float
     recompute_flops: int
     kept_nodes: tuple[str, ...] = ()
+    skipped_nodes: tuple[str, ...] = ()
 
     @property
     def selective(self) -> bool:
@@ -77,8 +80,10 @@ class Plan:
 
     @property
     def recomputed_nodes(self) -> tuple[str, ...]:
-        """Nodes run again in the backward (a selective segment's kept nodes are not)."""
-        return tuple(name for s in self.segments for name in s.node_names if name not in s.kept_nodes)
+        """Nodes run again in the backward, wholly or in part (a selective segment's kept nodes
+        and the nodes after a segment's last saved tensor are not)."""
+        return tuple(name for s in self.segments for name in s.node_names
+                     if name not in s.kept_nodes and name not in s.skipped_nodes)
 
     @property
     def overhead_ratio(self) -> float:

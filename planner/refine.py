@@ -45,6 +45,7 @@ from itertools import accumulate
 
 from planner.costgraph import CostGraph
 from planner.plan import Segment
+from planner.rerun import ChainCosts, rerun_node_names
 from planner.simulate import simulate
 from planner.stages import build_stages
 
@@ -76,14 +77,14 @@ def replay_budget(graph: CostGraph, time_limit_s: float) -> int:
 
 
 class _Chain:
-    """Compute nodes by rank: prefix sums of time, FLOPs and non-recomputable nodes, cut points."""
+    """Compute nodes by rank: the recompute cost of any run, non-recomputable nodes, cut points."""
 
     def __init__(self, graph: CostGraph, cut_stages: int, blocked: frozenset[str] = frozenset()) -> None:
         computes = [n for n in graph.nodes if n.kind == "compute"]
+        self.graph = graph
         self.names = [n.name for n in computes]
         self.rank = {name: r for r, name in enumerate(self.names)}
-        self.time_prefix = [0.0, *accumulate(n.time_ms for n in computes)]
-        self.flops_prefix = [0, *accumulate(n.flops for n in computes)]
+        self.costs = ChainCosts(graph, self.names)
         # nodes no run may include: not recomputable, or in a segment the search keeps as it is
         self.fixed_prefix = [0, *accumulate(0 if n.recomputable and n.name not in blocked else 1 for n in computes)]
         if len(computes) < ALL_CUTS_BELOW:
@@ -94,14 +95,17 @@ class _Chain:
         self.cuts = sorted(cuts | {0})
 
     def time_ms(self, run: Run) -> float:
-        return self.time_prefix[run[1] + 1] - self.time_prefix[run[0]]
+        return self.costs.time_ms(*run)
 
     def recomputable(self, run: Run) -> bool:
         return run[0] <= run[1] and self.fixed_prefix[run[1] + 1] == self.fixed_prefix[run[0]]
 
     def segment(self, run: Run) -> Segment:
         a, b = run
-        return Segment(tuple(self.names[a : b + 1]), self.time_ms(run), self.flops_prefix[b + 1] - self.flops_prefix[a])
+        names = tuple(self.names[a : b + 1])
+        rerun = set(rerun_node_names(self.graph, names))
+        return Segment(names, self.time_ms(run), self.costs.flops(a, b), (),
+                       tuple(name for name in names if name not in rerun))
 
     def cuts_between(self, low: int, high: int) -> list[int]:
         """Cut points c with low < c <= high."""
@@ -109,18 +113,20 @@ class _Chain:
 
 
 def _shrinking_moves(chain: _Chain, runs: list[Run]) -> Iterator[tuple[float, list[Run]]]:
-    """(recompute time saved, new runs) for moves that recompute less or split (saving 0)."""
+    """(recompute time saved, new runs) for moves that recompute less or split a segment (a
+    split saves what the first part's recompute now stops short of)."""
     for k, (a, b) in enumerate(runs):
         rest = runs[:k] + runs[k + 1 :]
-        yield chain.time_ms((a, b)), rest
+        whole = chain.time_ms((a, b))
+        yield whole, rest
         inner = chain.cuts_between(a, b)
         for c in inner:
-            yield chain.time_ms((a, c - 1)), rest + [(c, b)]
-            yield chain.time_ms((c, b)), rest + [(a, c - 1)]
-            yield 0.0, rest + [(a, c - 1), (c, b)]
+            yield whole - chain.time_ms((c, b)), rest + [(c, b)]
+            yield whole - chain.time_ms((a, c - 1)), rest + [(a, c - 1)]
+            yield whole - chain.time_ms((a, c - 1)) - chain.time_ms((c, b)), rest + [(a, c - 1), (c, b)]
         for i, c in enumerate(inner):
             for d in inner[i + 1 :]:
-                yield chain.time_ms((c, d - 1)), rest + [(a, c - 1), (d, b)]
+                yield whole - chain.time_ms((a, c - 1)) - chain.time_ms((d, b)), rest + [(a, c - 1), (d, b)]
 
 
 def _swapping_moves(chain: _Chain, runs: list[Run], max_span: int = 8) -> Iterator[tuple[float, list[Run]]]:

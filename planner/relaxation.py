@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import pulp
 
 from planner.costgraph import CostGraph
+from planner.rerun import ChainCosts
 from planner.simulate import simulate
 from planner.stages import Stage
 
@@ -134,7 +135,8 @@ class _Account:
         runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
         self.saving_backward = sorted(self.pos[n.name] for n in graph.compute_nodes
                                       if n.saved_storages and n.name in runs_backward)
-        self.time_ms = [sum(graph.node(n).time_ms for n in st.node_names) for st in stages]
+        self.chain_costs = ChainCosts(graph, [name for st in stages for name in st.node_names])
+        self.stage_first = list(itertools.accumulate((len(st.node_names) for st in stages), initial=0))
         count = len(stages)
         self.runs = [(a, b) for a in range(count) for b in range(a, count)
                      if all(stages[j].recomputable for j in range(a, b + 1))]
@@ -142,7 +144,7 @@ class _Account:
 
         self.prob = pulp.LpProblem("optimistic_account", pulp.LpMinimize)
         self.y = {run: self._var(f"recompute_stages_{run[0]}_to_{run[1]}", cat="Binary") for run in self.runs}
-        total_ms = sum(self.time_ms) or 1.0
+        total_ms = graph.forward_ms or 1.0
         # a tie-break towards fewer segments, far below any node's time
         self.prob += pulp.lpSum(v * (self.cost_ms([r]) + 1e-6 * total_ms) for r, v in self.y.items())
         self.covering: list[list[pulp.LpVariable]] = [[] for _ in stages]
@@ -166,7 +168,8 @@ class _Account:
         return bisect.bisect_right(self.first_pos, position) - 1
 
     def cost_ms(self, runs: list[Run]) -> float:
-        return sum(sum(self.time_ms[a : b + 1]) for a, b in runs)
+        """Recompute time of the stage runs ``runs`` (:mod:`planner.rerun`)."""
+        return sum(self.chain_costs.time_ms(self.stage_first[a], self.stage_first[b + 1] - 1) for a, b in runs)
 
     def _fresh_saved(self, run: Run, persistent: set[int], values: dict[str, list[int]]) -> tuple[list[int], list[int]]:
         """What the run's recompute saves afresh (storages its nodes save that are not its

@@ -109,7 +109,9 @@ def build_report(
     unoptimized = simulate(graph)
     planned = simulate(graph, [s.node_names for s in plan.segments])
     saved = graph.saved_bytes_by_node()
-    recomputed = set(plan.recomputed_nodes)
+    # a segment's saved activations are dropped from the forward, those of nodes its recompute
+    # never reruns too (their inputs are remade); kept nodes hold theirs
+    checkpointed = {name for s in plan.segments for name in s.node_names if name not in s.kept_nodes}
     by_module: dict[str, int] = defaultdict(int)
     for name, size in saved.items():
         path = graph.node(name).module
@@ -127,7 +129,7 @@ def build_report(
         unoptimized_peak_phase=unoptimized.peak_phase,
         unoptimized_peak_node=peak_node,
         unoptimized_peak_module=graph.node(peak_node).module if peak_node in graph.index else "",
-        kept_activation_bytes=sum(size for name, size in saved.items() if name not in recomputed),
+        kept_activation_bytes=sum(size for name, size in saved.items() if name not in checkpointed),
         top_nodes=[(n, graph.node(n).op, graph.node(n).module, b) for n, b in ranked],
         top_modules=sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0].count("."), kv[0]))[:top],
         pareto=pareto_front(sweep_plans) if sweep_plans else [],

@@ -40,6 +40,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import pulp
@@ -51,6 +52,7 @@ from planner.keep import keep_outputs, keepable_in_segment, kept_storages, polic
 from planner.quiet_highs import absorb_highs_banner
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
+from planner.rerun import ChainCosts
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
 
@@ -101,6 +103,9 @@ class _StageModel:
     time_ms: list[float]
     flops: list[int]
     segments: list[tuple[int, int]]
+    #: recompute time and FLOPs of every candidate segment (:mod:`planner.rerun`)
+    run_ms: dict[tuple[int, int], float]
+    run_flops: dict[tuple[int, int], int]
     recomputed: dict[tuple[int, int], float]
     segment_overhead: float
     #: per stage, the keep options a selective segment may use there (empty without selective)
@@ -356,6 +361,10 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int,
             inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
             for k in inputs - returned:
                 holders.setdefault(k, []).append((a, "input", (a, b)))
+    costs = ChainCosts(graph, [name for st in stages for name in st.node_names])
+    first = list(accumulate((len(st.node_names) for st in stages), initial=0))
+    run_ms = {(a, b): costs.time_ms(first[a], first[b + 1] - 1) for a, b in segments}
+    run_flops = {(a, b): costs.flops(first[a], first[b + 1] - 1) for a, b in segments}
     return _StageModel(
         stages=stages,
         base=base_bytes / MIB,
@@ -370,6 +379,8 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int,
         time_ms=time_ms,
         flops=flops,
         segments=segments,
+        run_ms=run_ms,
+        run_flops=run_flops,
         recomputed=recomputed,
         segment_overhead=graph.segment_overhead_bytes / MIB,
         keep_options=keep_options,
@@ -394,14 +405,14 @@ def _solve_ilp(
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
     y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
     total_ms = sum(model.time_ms) or 1.0
-    cost = pulp.lpSum(y[(a, b)] * (sum(model.time_ms[a : b + 1]) + 1e-3 * total_ms) for (a, b) in segs)
+    cost = pulp.lpSum(y[s] * (model.run_ms[s] + 1e-3 * total_ms) for s in segs)
     if budget_mib is None:
         peak = _variable(prob, "peak_mib", lowBound=0)
         bound: pulp.LpAffineExpression | float = peak
         # ties broken by recomputed FLOPs, not measured time, so that the minimum does not move
         # with timing noise between two profiles of the same model
         total_flops = float(sum(model.flops)) or 1.0
-        flop_cost = pulp.lpSum(y[(a, b)] * (sum(model.flops[a : b + 1]) / total_flops + 1e-3) for (a, b) in segs)
+        flop_cost = pulp.lpSum(y[s] * (model.run_flops[s] / total_flops + 1e-3) for s in segs)
         prob += peak + 1e-6 * flop_cost
     else:
         bound = budget_mib
@@ -502,10 +513,7 @@ def _segments(graph: CostGraph, model: _StageModel, chosen: list[tuple[int, int]
     out = []
     for a, b in sorted(chosen):
         names = tuple(n for st in model.stages[a : b + 1] for n in st.node_names)
-        if kept:
-            out.append(segment_with_kept(graph, names, kept & set(keepable_in_segment(graph, names))))
-        else:
-            out.append(Segment(names, sum(model.time_ms[a : b + 1]), sum(model.flops[a : b + 1])))
+        out.append(segment_with_kept(graph, names, kept & set(keepable_in_segment(graph, names))))
     return out
 
 
@@ -735,8 +743,7 @@ def _every_recomputable_run(graph: CostGraph) -> list[Segment]:
             runs[-1].append(node)
         elif runs[-1]:
             runs.append([])
-    return [Segment(tuple(n.name for n in run), sum(n.time_ms for n in run), sum(n.flops for n in run))
-            for run in runs if run]
+    return [segment_with_kept(graph, tuple(n.name for n in run)) for run in runs if run]
 
 
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:

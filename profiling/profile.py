@@ -144,6 +144,7 @@ class _DispatchSpy(TorchDispatchMode):
     a cached tensor modified afterwards, which composite ops such as CPU dropout and attention
     do to their own intermediates. ``input_views``: op outputs that are views of the node's
     inputs (a linear reshaping its input); cached, they hold the input's storage.
+    ``op_count``: ops dispatched so far.
     """
 
     def __init__(self, input_storages: set[int]) -> None:
@@ -151,16 +152,30 @@ class _DispatchSpy(TorchDispatchMode):
         self.input_storages = input_storages
         self.writes_in_place = False
         self.input_views: list[torch.Tensor] = []
+        self.op_count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
             self.writes_in_place = True
         out = func(*args, **(kwargs or {}))
+        self.op_count += 1
         for t in _tensors(out):
             if t.untyped_storage()._cdata in self.input_storages:
                 self.input_views.append(t)
         return out
+
+
+def _after_last_save_fraction(flops: int, op_count: int, at_last_pack: tuple[int, int]) -> float:
+    """The share of a node's forward that ran after autograd saved its last tensor: by FLOPs
+    when the node counts any (a composite attention saves its scores before its last matmul),
+    else by dispatched ops (a gelu saves its input before its one op runs: 1.0)."""
+    flops_then, ops_then = at_last_pack
+    if flops > 0:
+        return min(1.0, max(0.0, (flops - flops_then) / flops))
+    if op_count > 0:
+        return min(1.0, max(0.0, (op_count - ops_then) / op_count))
+    return 0.0
 
 
 def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bool:
@@ -259,13 +274,15 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         saved: list[torch.Tensor] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
-            return t
-
         counter = FlopCounterMode(display=False)
         spy = _DispatchSpy({t.untyped_storage()._cdata for a in n.all_input_nodes for t in _tensors(self.env.get(a))})
+        at_last_pack = (0, 0)  # (FLOPs, ops) counted when autograd saved its last tensor
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal at_last_pack
+            saved.append(t)
+            at_last_pack = (int(counter.get_total_flops()), spy.op_count)
+            return t
         result: Any = None
 
         def run_once() -> None:
@@ -304,6 +321,7 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             "mutating": mutating,
             "writes_in_place": spy.writes_in_place,
             "input_views": spy.input_views,
+            "after_last_save_fraction": _after_last_save_fraction(flops, spy.op_count, at_last_pack) if saved else None,
         }
         if self.progress is not None:
             self.progress.step()
@@ -497,6 +515,7 @@ def _cost_nodes(
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 selective_save=kind == "compute" and _keepable(n, is_alias, rec),
+                after_last_save_fraction=rec["after_last_save_fraction"] if kind == "compute" else None,
                 viewed_storages=tuple(dict.fromkeys(
                     k for t in rec["input_views"] if (k := table.key(t)) is not None)) if kind == "compute" else (),
             )

@@ -11,6 +11,7 @@ import pytest
 from graphs import MIB, chain, random_dag
 from planner import InfeasibleBudgetError, minimum_peak_plan, simulate, solve
 from planner.costgraph import CostGraph, CostNode, Storage
+from planner.rerun import rerun_cost, rerun_node_names
 from planner.stages import build_stages
 
 
@@ -96,8 +97,8 @@ def test_every_plan_is_within_budget_by_simulation(seed):
         plan = solve(g, budget)
         replay = simulate(g, plan.segments)
         assert replay.peak_bytes == plan.predicted_peak_bytes <= budget
-        assert plan.recompute_ms == pytest.approx(
-            sum(g.node(n).time_ms for n in plan.recomputed_nodes))
+        assert plan.recompute_ms == pytest.approx(sum(rerun_cost(g, s.node_names)[0] for s in plan.segments))
+        assert set(plan.recomputed_nodes) == {n for s in plan.segments for n in rerun_node_names(g, s.node_names)}
 
 
 def test_infeasible_budget_names_the_minimum_and_the_minimum_is_feasible():
@@ -125,7 +126,7 @@ def test_chain_plan_is_no_worse_than_brute_force_over_stage_segments():
             if len(flat) != len(set(flat)):
                 continue
             if simulate(g, combo).peak_bytes <= budget:
-                cost = sum(g.node(n).time_ms for n in flat)
+                cost = sum(rerun_cost(g, s)[0] for s in combo)
                 best = cost if best is None else min(best, cost)
     assert best is not None
     plan = solve(g, budget)
@@ -233,8 +234,9 @@ def test_kept_outputs_only_lower_the_cost_and_stay_within_budget():
         for seg in plan.segments:
             assert set(seg.kept_nodes) <= set(seg.node_names)
             assert all(g.node(n).selective_save for n in seg.kept_nodes)
-            expected = sum(g.node(n).time_ms for n in seg.node_names if n not in seg.kept_nodes)
-            assert seg.recompute_ms == pytest.approx(expected)
+            expected = rerun_cost(g, seg.node_names, seg.kept_nodes)[0]
+            policy = g.selective_overhead_ms_per_node * len(seg.node_names) if seg.kept_nodes else 0.0
+            assert seg.recompute_ms == pytest.approx(expected + policy)
         found += sum(len(seg.kept_nodes) for seg in plan.segments)
     assert found > 0, "no output kept on any random graph"
 
@@ -307,7 +309,7 @@ def test_keeping_pays_for_the_selective_policy_or_is_dropped():
         assert simulate(g, kept).peak_bytes <= budget
         assert any(seg.kept_nodes for seg in kept) == expect_kept, per_node_ms
         for seg in kept:
-            rerun_ms = sum(g.node(n).time_ms for n in seg.node_names if n not in seg.kept_nodes)
+            rerun_ms = rerun_cost(g, seg.node_names, seg.kept_nodes)[0]
             policy_ms = per_node_ms * len(seg.node_names) if seg.kept_nodes else 0.0
             assert seg.recompute_ms == pytest.approx(rerun_ms + policy_ms)
         assert sum(seg.recompute_ms for seg in kept) <= everything[0].recompute_ms

@@ -17,6 +17,7 @@ from graphs import MIB, chain, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
 from planner.pipeline import plan_for_budget
 from planner.relaxation import search_cheapest
+from planner.rerun import rerun_cost
 from planner.stages import build_stages
 
 # ``planner.solve`` the attribute is the function; the module is reached by its import name
@@ -216,7 +217,7 @@ def _brute_force(g, budget):
         peak = simulate(g, segments).peak_bytes
         min_peak = peak if min_peak is None else min(min_peak, peak)
         if peak <= budget:
-            cost = sum(n.time_ms for a, b in runs for n in compute[a : b + 1])
+            cost = sum(rerun_cost(g, seg)[0] for seg in segments)
             best_cost = cost if best_cost is None else min(best_cost, cost)
     return best_cost, min_peak
 
@@ -259,7 +260,7 @@ def test_optimistic_account_never_exceeds_the_simulator(seed, n, picks):
               and all(st.recomputable for st in stages[r[0] : r[1] + 1])]
     segments = [[name for st in stages[a : b + 1] for name in st.node_names] for a, b in chosen]
     budget = simulate(g, segments).peak_bytes
-    cost = sum(g.node(name).time_ms for seg in segments for name in seg)
+    cost = sum(rerun_cost(g, seg)[0] for seg in segments)
     found = search_cheapest(g, stages, budget, math.inf, _highs_or_cbc, max_candidates=1000)
     assert found.proven and found.runs is not None
     assert found.cost_ms <= cost * (1 + solve_module.MIP_GAP) + 1e-9

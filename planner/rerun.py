@@ -1,0 +1,170 @@
+"""Which nodes of a checkpointed segment run again in the backward, and what that costs.
+
+Non-reentrant ``torch.utils.checkpoint`` stops recomputing a segment as soon as its rerun has
+saved again every tensor the forward saved ("early stop", on by default). Autograd saves an
+op's inputs before the op runs and its outputs after it, so the rerun covers every node up to
+the last one that saves a tensor, and of that node only the part before its last save: a
+segment that ends ``linear, gelu, linear`` reruns the first linear and the gelu, and stops when
+the second linear has saved its input and weight, before its matmul. Nodes after the last
+saver never rerun. The profiler measures each node's share after its last save
+(``CostNode.after_last_save_fraction``); for a node without it, the share is 1 when every
+tensor it saves is one of its inputs, else 0.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> g = CostGraph(
+    ...     (CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+    ...      CostNode("tanh", "aten.tanh.default", input_names=("x",), output_storages=(1,),
+    ...               saved_storages=(1,), time_ms=1.0),
+    ...      CostNode("mul", "aten.mul.Tensor", input_names=("tanh", "x"), output_storages=(2,),
+    ...               saved_storages=(1, 0), time_ms=2.0)),
+    ...     (Storage(0, 8, persistent=True), Storage(1, 8), Storage(2, 8)))
+    >>> rerun_node_names(g, ("tanh", "mul"))
+    ('tanh',)
+    >>> rerun_cost(g, ("tanh", "mul"))
+    (1.0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
+
+from planner.costgraph import CostGraph, CostNode
+
+__all__ = ["ChainCosts", "after_last_save_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs"]
+
+
+def saves_only_inputs(graph: CostGraph, node: CostNode) -> bool:
+    """Whether every tensor ``node`` saves for backward is one of its inputs (or a parameter,
+    buffer or graph input), so that autograd saves them all before the op runs.
+
+    A node that saves nothing returns False. Alias nodes (views, in-place ops) return False:
+    what they save may be their own output.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        ...                CostNode("gelu", "gelu", input_names=("x",), output_storages=(1,),
+        ...                         saved_storages=(0,))),
+        ...               (Storage(0, 8, persistent=True), Storage(1, 8)))
+        >>> saves_only_inputs(g, g.node("gelu"))
+        True
+    """
+    if not node.saved_storages or node.is_alias:
+        return False
+    sizes = graph.storage_by_key
+    inputs = {k for name in node.input_names for k in graph.node(name).output_storages}
+    return all(k in inputs or sizes[k].persistent for k in node.saved_storages)
+
+
+def after_last_save_fraction(graph: CostGraph, node: CostNode) -> float:
+    """The share of ``node``'s forward a recompute skips when it stops at this node: the
+    profiler's measurement, or 1 when the node saves only its inputs and 0 otherwise.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("sdpa", "attention", after_last_save_fraction=0.5),), ())
+        >>> after_last_save_fraction(g, g.node("sdpa"))
+        0.5
+    """
+    if node.after_last_save_fraction is not None:
+        return node.after_last_save_fraction
+    return 1.0 if saves_only_inputs(graph, node) else 0.0
+
+
+def _last_saver(graph: CostGraph, node_names: Sequence[str]) -> int:
+    for i in range(len(node_names) - 1, -1, -1):
+        if graph.node(node_names[i]).saved_storages:
+            return i
+    return -1
+
+
+def rerun_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[str, ...]:
+    """The nodes of the segment ``node_names`` (in execution order) that its recompute runs,
+    wholly or in part: every node up to the last one that saves a tensor (that one unless the
+    recompute skips all of it), less the ``kept`` nodes (a selective policy returns their
+    stored outputs). A segment in which no node saves anything reruns nothing.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("a", "op", saved_storages=()), CostNode("b", "op")), ())
+        >>> rerun_node_names(g, ("a", "b"))
+        ()
+    """
+    last = _last_saver(graph, node_names)
+    if last >= 0 and after_last_save_fraction(graph, graph.node(node_names[last])) >= 1.0:
+        last -= 1
+    kept_names = set(kept)
+    return tuple(name for name in node_names[: last + 1] if name not in kept_names)
+
+
+def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[float, int]:
+    """``(time_ms, flops)`` the recompute of the segment ``node_names`` spends: the nodes
+    :func:`rerun_node_names` lists, the last saver only up to its last save.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,),
+        ...                         time_ms=2.0, flops=5),), (Storage(0, 8),))
+        >>> rerun_cost(g, ("a",))
+        (2.0, 5)
+    """
+    kept_names = set(kept)
+    last = _last_saver(graph, node_names)
+    time_ms, flops = 0.0, 0
+    for i, name in enumerate(node_names[: last + 1]):
+        if name in kept_names:
+            continue
+        node = graph.node(name)
+        share = 1.0 - after_last_save_fraction(graph, node) if i == last else 1.0
+        time_ms += node.time_ms * share
+        flops += round(node.flops * share)
+    return time_ms, flops
+
+
+class ChainCosts:
+    """:func:`rerun_cost` of every contiguous run of a sequence of nodes, each in O(1) after
+    O(n) set-up (prefix sums and the last saver at or before each position): what the solvers
+    price thousands of candidate segments with.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,), time_ms=2.0),
+        ...                CostNode("b", "op", time_ms=1.0)), (Storage(0, 8),))
+        >>> ChainCosts(g, ("a", "b")).time_ms(0, 1)  # b saves nothing: the recompute stops after a
+        2.0
+    """
+
+    def __init__(self, graph: CostGraph, node_names: Sequence[str]) -> None:
+        nodes = [graph.node(name) for name in node_names]
+        self.node_names = tuple(node_names)
+        self._time_prefix = [0.0, *accumulate(n.time_ms for n in nodes)]
+        self._flops_prefix = [0, *accumulate(n.flops for n in nodes)]
+        self._last_saver: list[int] = []
+        last = -1
+        for i, node in enumerate(nodes):
+            if node.saved_storages:
+                last = i
+            self._last_saver.append(last)
+        self._share = [1.0 - after_last_save_fraction(graph, n) if n.saved_storages else 0.0 for n in nodes]
+        self._time = [n.time_ms for n in nodes]
+        self._flops = [n.flops for n in nodes]
+
+    def _last(self, first: int, last: int) -> int:
+        saver = self._last_saver[last]
+        return saver if saver >= first else -1
+
+    def time_ms(self, first: int, last: int) -> float:
+        """Recompute time of the run of positions ``first..last`` (inclusive)."""
+        end = self._last(first, last)
+        if end < 0:
+            return 0.0
+        return self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._share[end]
+
+    def flops(self, first: int, last: int) -> int:
+        """Recomputed FLOPs of the run of positions ``first..last`` (inclusive)."""
+        end = self._last(first, last)
+        if end < 0:
+            return 0
+        return self._flops_prefix[end] - self._flops_prefix[first] + round(self._flops[end] * self._share[end])
