@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -148,3 +150,47 @@ def test_selective_policy_cost_is_measured_on_the_device():
     assert 0.0 < measured.selective_overhead_ms_per_node < 1.0
     fake = profile_graph(trace_module(model, inputs), inputs, fake=True)
     assert fake.selective_overhead_ms_per_node == 0.0
+
+
+def test_share_of_forward_after_the_last_save_is_measured():
+    """A linear saves its input and weight before its matmul (all of it runs after), a relu its
+    output after its op (none), CPU attention its scores before its second matmul (half its
+    FLOPs), and the recompute of a segment ending there measures what the profile predicts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from planner.plan import Plan, Segment
+    from planner.rerun import rerun_cost
+    from rewrite.apply import apply_plan
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            q = torch.relu(self.up(x)).view(4, 8, 32)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            return self.down(attended.reshape(32, 32))
+
+    torch.manual_seed(0)
+    model, inputs = Block(), (torch.randn(32, 16, requires_grad=True),)
+    gm = trace_module(model, inputs)
+    graph = profile_graph(gm, inputs, timing_repeats=1, measure_peak=False)
+    (relu,) = nodes_by_op(graph, "relu")
+    (attention,) = nodes_by_op(graph, "scaled_dot_product_attention")
+    assert [n.after_last_save_fraction for n in nodes_by_op(graph, "linear")] == [1.0, 1.0]
+    assert relu.after_last_save_fraction == 0.0
+    assert attention.after_last_save_fraction == pytest.approx(0.5)
+
+    def step_flops(module) -> int:
+        with FlopCounterMode(display=False) as counter:
+            module(*inputs).sum().backward()
+        return counter.get_total_flops()
+
+    base = step_flops(gm)
+    names = [n.name for n in graph.compute_nodes]
+    start = names.index(nodes_by_op(graph, "linear")[0].name)
+    for end in (attention.name, names[-1]):
+        segment = tuple(names[start : names.index(end) + 1])
+        plan = Plan(0, 0, 0, (Segment(segment, 0.0, 0),), 0.0, 0.0, 0, "test", 0.0)
+        assert step_flops(apply_plan(copy.deepcopy(gm), plan)) - base == rerun_cost(graph, segment)[1], end
