@@ -71,7 +71,8 @@ class Report:
                 "kept_activation_bytes": self.kept_activation_bytes,
                 "segments": [
                     {"first": s.node_names[0], "last": s.node_names[-1], "nodes": len(s.node_names),
-                     "recompute_ms": s.recompute_ms, "recompute_flops": s.recompute_flops}
+                     "recompute_ms": s.recompute_ms, "recompute_flops": s.recompute_flops,
+                     "rerun_nodes": len(s.node_names) - len(s.kept_nodes) - len(s.skipped_nodes)}
                     for s in plan.segments
                 ],
             },
