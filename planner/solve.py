@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import functools
-import importlib.metadata
 import time
 import warnings
 from dataclasses import dataclass
@@ -114,31 +112,10 @@ class _StageModel:
     keep_options: list[list[KeepOption]]
 
 
-#: HiGHS releases whose presolve hangs, past its time limit, on models this planner builds
-#: (1.16.0: an 885-column model of the exact search that 1.15.1 solves in 0.02 s)
-HANGING_HIGHS_VERSIONS = frozenset({"1.16.0"})
-
-
-@functools.lru_cache(maxsize=1)
-def _highs_usable() -> bool:
-    """HiGHS is installed and not a release known to hang (said once per process)."""
-    if not pulp.HiGHS(msg=False).available():
-        return False
-    try:
-        version = importlib.metadata.version("highspy")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - HiGHS built some other way
-        return True
-    if version in HANGING_HIGHS_VERSIONS:
-        log.warning("highspy %s's presolve can hang past its time limit on this planner's models; using CBC "
-                    "instead (pip install 'highspy!=%s')", version, version)
-        return False
-    return True
-
-
 def available_solvers() -> list[str]:
     """Names of the MILP solvers PuLP can run here, best first."""
     names = []
-    if _highs_usable():
+    if pulp.HiGHS(msg=False).available():
         names.append("HiGHS")
     if _cbc(0).available():
         names.append("CBC")

@@ -93,22 +93,6 @@ def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(
     assert any("HiGHS is not installed (pip install highspy); using CBC" in r.getMessage() for r in caplog.records)
 
 
-def test_a_highs_release_known_to_hang_is_not_used(monkeypatch, caplog):
-    """highspy 1.16.0's presolve hung past its time limit on an exact-search model (1.15.1
-    solves it in 0.02 s): with it installed, the planner says so and uses CBC."""
-    if not pulp.HiGHS(msg=False).available():
-        pytest.skip("HiGHS is not installed here")  # pragma: no cover - the test extra installs it
-    monkeypatch.setattr(solve_module.importlib.metadata, "version", lambda name: "1.16.0")
-    solve_module._highs_usable.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="planner.solve"):
-            names = solve_module.available_solvers()
-    finally:
-        solve_module._highs_usable.cache_clear()
-    assert "HiGHS" not in names
-    assert any("highspy 1.16.0's presolve can hang" in r.getMessage() for r in caplog.records)
-
-
 def test_no_solver_at_all_says_what_to_install(monkeypatch):
     monkeypatch.setattr(solve_module, "available_solvers", lambda: [])
     g = chain([4, 4, 4, 4])
