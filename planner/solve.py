@@ -157,10 +157,11 @@ def _choose_solver(name: str | None) -> str:
     return chosen
 
 
-def _solver_named(name: str, time_limit_s: float) -> pulp.LpSolver:
+def _solver_named(name: str, time_limit_s: float, presolve: bool = True) -> pulp.LpSolver:
     if name == "HiGHS":
         absorb_highs_banner()  # HiGHS >= 1.16 prints it on stdout, into the CLI's JSON
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP)
+        options = {} if presolve else {"presolve": "off"}
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP, **options)
     return _cbc(time_limit_s)
 
 
@@ -177,10 +178,13 @@ class _IlpResult:
     kept: frozenset[str] = frozenset()
 
 
-def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float) -> str:
-    """Solve ``prob`` with ``name``; when that solver fails to run, with another installed one."""
+def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True) -> str:
+    """Solve ``prob`` with ``name``; when that solver fails to run, with another installed one.
+    ``presolve=False`` turns HiGHS's presolve off (the exact search's models: on one of them
+    HiGHS 1.16.0's presolve ran for over 13 minutes past a 3 s time limit, while the solve
+    without it took 0.16 s)."""
     try:
-        prob.solve(_solver_named(name, time_limit_s))
+        prob.solve(_solver_named(name, time_limit_s, presolve))
         return name
     except pulp.PulpSolverError as exc:
         others = [other for other in available_solvers() if other != name]
@@ -188,7 +192,7 @@ def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float) -> str:
             raise SolverError(f"{name} failed to run ({exc}); install another: "
                               + " or ".join(KNOWN_SOLVERS[k] for k in KNOWN_SOLVERS if k != name)) from exc
         log.warning("%s failed to run (%s); retrying with %s", name, exc, others[0])
-        prob.solve(_solver_named(others[0], time_limit_s))
+        prob.solve(_solver_named(others[0], time_limit_s, presolve))
         return others[0]
 
 
@@ -600,7 +604,7 @@ def _lowest_by_bisection(graph: CostGraph, model: _StageModel, segments: list[Se
     while peak - low > peak // 1000:
         middle = (low + peak) // 2
         found = search_cheapest(graph, model.stages, middle, math.inf,
-                                lambda prob: _run_solver(prob, name, time_limit_s), time_limit_s=time_limit_s)
+                                lambda prob: _run_solver(prob, name, time_limit_s, presolve=False), time_limit_s=time_limit_s)
         if found.runs is not None:
             segments = _segments(graph, model, found.runs)
             peak = simulate(graph, segments).peak_bytes
@@ -775,7 +779,7 @@ def _cheapest_by_optimistic_account(
     name = _choose_solver(solver)
     incumbent_ms = plan.recompute_ms if plan is not None else math.inf
     found = search_cheapest(graph, model.stages, budget_bytes, incumbent_ms,
-                            lambda prob: _run_solver(prob, name, time_limit_s), time_limit_s=time_limit_s)
+                            lambda prob: _run_solver(prob, name, time_limit_s, presolve=False), time_limit_s=time_limit_s)
     log.info("optimistic account: %d candidates, %s", found.candidates,
              "cheaper plan found" if found.runs is not None else "proven" if found.proven else "stopped")
     if found.runs is None:
