@@ -110,7 +110,7 @@ def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
             raise pulp.PulpSolverError("cannot execute solver binary")
 
     monkeypatch.setattr(solve_module, "_solver_named",
-                        lambda name, t: BrokenBinary() if name == "HiGHS" else real(name, t))
+                        lambda name, t, presolve=True: BrokenBinary() if name == "HiGHS" else real(name, t, presolve))
     g = chain([4, 4, 4, 4, 4, 4])
     budget = int(simulate(g).peak_bytes * 0.8)
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
@@ -172,8 +172,8 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     replayed within budget, and its gap is the solver's."""
     real = solve_module._run_solver
 
-    def stopped_at_limit(prob, name, time_limit_s):
-        used = real(prob, name, time_limit_s)
+    def stopped_at_limit(prob, name, time_limit_s, presolve=True):
+        used = real(prob, name, time_limit_s, presolve)
         prob.sol_status = pulp.LpSolutionIntegerFeasible
         return used
 
