@@ -635,8 +635,8 @@ def solve(
     the ILP's plan the cheapest over the stages (its ``optimality_gap`` is then the MIP gap
     against the simulator) or finds a cheaper one, also where the ILP found none. ``None``
     (default) runs it on graphs of fewer than 64 compute nodes, where it takes milliseconds;
-    on real models it saved up to a tenth of the recompute time but multiplied the solve time
-    by 2 to 7 (see the README), so it is opt-in there.
+    on real models it saved up to 14 % of the recompute time but took up to 90 times as long
+    as the ILP (see the README), so it is opt-in there.
 
     When the ILP finds no plan, the smallest-peak plan is searched by local moves judged by the
     simulator and, if it fits, made cheaper the same way, for up to ``refine_s`` seconds each
