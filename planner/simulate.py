@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from planner.costgraph import CostGraph
 from planner.plan import Segment
+from planner.rerun import after_last_save_fraction
 
 __all__ = ["SimulationResult", "simulate", "validate_segments"]
 
@@ -293,6 +294,9 @@ def _recompute(
     sizes = graph.storage_by_key
     stop = max(i for i in idx if nodes[i].saved_storages)
     run = [i for i in idx if i <= stop]
+    # the recompute stops once the last node has saved its tensors: one that saves only what
+    # existed before it ran (planner.rerun) never runs its kernel, so makes no output there
+    skipped = stop if after_last_save_fraction(graph, nodes[stop]) >= 1.0 else -1
     inside = {nodes[i].name for i in run}
     last_use: dict[int, int] = {}
     for i in run:
@@ -307,7 +311,8 @@ def _recompute(
 
     for i in run:
         node = nodes[i]
-        fresh = [k for k in (*node.output_storages, *node.saved_storages)
+        made = () if i == skipped else node.output_storages
+        fresh = [k for k in (*made, *node.saved_storages)
                  if k not in persistent and k not in inputs and k not in cached]
         new_bytes = 0
         for k in fresh:
@@ -317,7 +322,7 @@ def _recompute(
                     mem.hold(("recomputed", k))
         for k in set(node.saved_storages) - persistent - inputs:
             mem.hold(key(k))
-        reruns = not any(k in cached for k in node.output_storages)
+        reruns = i != skipped and not any(k in cached for k in node.output_storages)
         mem.observe("recompute", node.name, max(0, node.forward_peak_bytes - new_bytes) if reruns else 0)
         for k in set(fresh):
             mem.free_if_unheld(("recomputed", k))
