@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.refine import GUARD_FACTOR, replay_budget
-from planner.rerun import rerun_cost, rerun_node_names
+from planner.rerun import rerun_cost, skipped_node_names
 from planner.simulate import simulate
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
@@ -87,8 +87,7 @@ def segment_with_kept(graph: CostGraph, node_names: Sequence[str],
         1.5
     """
     kept_names = tuple(name for name in node_names if name in kept)
-    rerun = set(rerun_node_names(graph, node_names))
-    skipped = tuple(name for name in node_names if name not in rerun and name not in kept)
+    skipped = skipped_node_names(graph, node_names, kept_names)
     time_ms, flops = rerun_cost(graph, node_names, kept_names)
     policy_cost_ms = policy_ms(graph, node_names) if kept_names else 0.0
     return Segment(tuple(node_names), time_ms + policy_cost_ms, flops, kept_names, skipped)

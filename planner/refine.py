@@ -45,7 +45,7 @@ from itertools import accumulate
 
 from planner.costgraph import CostGraph
 from planner.plan import Segment
-from planner.rerun import ChainCosts, rerun_node_names
+from planner.rerun import ChainCosts, skipped_node_names
 from planner.simulate import simulate
 from planner.stages import build_stages
 
@@ -103,9 +103,7 @@ class _Chain:
     def segment(self, run: Run) -> Segment:
         a, b = run
         names = tuple(self.names[a : b + 1])
-        rerun = set(rerun_node_names(self.graph, names))
-        return Segment(names, self.time_ms(run), self.costs.flops(a, b), (),
-                       tuple(name for name in names if name not in rerun))
+        return Segment(names, self.time_ms(run), self.costs.flops(a, b), (), skipped_node_names(self.graph, names))
 
     def cuts_between(self, low: int, high: int) -> list[int]:
         """Cut points c with low < c <= high."""

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import pulp
 
 from planner.costgraph import CostGraph
-from planner.rerun import ChainCosts
+from planner.rerun import stage_run_costs
 from planner.simulate import simulate
 from planner.stages import Stage
 
@@ -135,8 +135,7 @@ class _Account:
         runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
         self.saving_backward = sorted(self.pos[n.name] for n in graph.compute_nodes
                                       if n.saved_storages and n.name in runs_backward)
-        self.chain_costs = ChainCosts(graph, [name for st in stages for name in st.node_names])
-        self.stage_first = list(itertools.accumulate((len(st.node_names) for st in stages), initial=0))
+        self.run_ms, _ = stage_run_costs(graph, stages)
         count = len(stages)
         self.runs = [(a, b) for a in range(count) for b in range(a, count)
                      if all(stages[j].recomputable for j in range(a, b + 1))]
@@ -169,7 +168,7 @@ class _Account:
 
     def cost_ms(self, runs: list[Run]) -> float:
         """Recompute time of the stage runs ``runs`` (:mod:`planner.rerun`)."""
-        return sum(self.chain_costs.time_ms(self.stage_first[a], self.stage_first[b + 1] - 1) for a, b in runs)
+        return sum(self.run_ms[run] for run in runs)
 
     def _fresh_saved(self, run: Run, persistent: set[int], values: dict[str, list[int]]) -> tuple[list[int], list[int]]:
         """What the run's recompute saves afresh (storages its nodes save that are not its

@@ -31,8 +31,10 @@ from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
 from planner.costgraph import CostGraph, CostNode
+from planner.stages import Stage
 
-__all__ = ["ChainCosts", "after_last_save_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs"]
+__all__ = ["ChainCosts", "after_last_save_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs",
+           "skipped_node_names", "stage_run_costs"]
 
 
 def saves_only_inputs(graph: CostGraph, node: CostNode) -> bool:
@@ -97,6 +99,21 @@ def rerun_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterable
         last -= 1
     kept_names = set(kept)
     return tuple(name for name in node_names[: last + 1] if name not in kept_names)
+
+
+def skipped_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[str, ...]:
+    """The nodes of the segment ``node_names`` its recompute never runs and a selective policy
+    does not keep: ``Segment.skipped_nodes``.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("a", "op", saved_storages=()), CostNode("b", "op")), ())
+        >>> skipped_node_names(g, ("a", "b"))
+        ('a', 'b')
+    """
+    kept_names = set(kept)
+    rerun = set(rerun_node_names(graph, node_names, kept_names))
+    return tuple(name for name in node_names if name not in rerun and name not in kept_names)
 
 
 def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[float, int]:
@@ -168,3 +185,19 @@ class ChainCosts:
         if end < 0:
             return 0
         return self._flops_prefix[end] - self._flops_prefix[first] + round(self._flops[end] * self._share[end])
+
+
+def stage_run_costs(graph: CostGraph, stages: Sequence[Stage]) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
+    """Recompute time and FLOPs of every run ``(first_stage, last_stage)`` of ``stages``.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,), time_ms=2.0),), (Storage(0, 8),))
+        >>> stage_run_costs(g, [Stage(("a",), True)])
+        ({(0, 0): 2.0}, {(0, 0): 0})
+    """
+    costs = ChainCosts(graph, [name for stage in stages for name in stage.node_names])
+    first = list(accumulate((len(stage.node_names) for stage in stages), initial=0))
+    runs = [(a, b) for a in range(len(stages)) for b in range(a, len(stages))]
+    return ({(a, b): costs.time_ms(first[a], first[b + 1] - 1) for a, b in runs},
+            {(a, b): costs.flops(first[a], first[b + 1] - 1) for a, b in runs})

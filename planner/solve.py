@@ -40,7 +40,6 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 import pulp
@@ -52,7 +51,7 @@ from planner.keep import keep_outputs, keepable_in_segment, kept_storages, polic
 from planner.quiet_highs import absorb_highs_banner
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
-from planner.rerun import ChainCosts
+from planner.rerun import stage_run_costs
 from planner.simulate import simulate
 from planner.stages import Stage, build_stages
 
@@ -365,10 +364,7 @@ def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int,
             inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
             for k in inputs - returned:
                 holders.setdefault(k, []).append((a, "input", (a, b)))
-    costs = ChainCosts(graph, [name for st in stages for name in st.node_names])
-    first = list(accumulate((len(st.node_names) for st in stages), initial=0))
-    run_ms = {(a, b): costs.time_ms(first[a], first[b + 1] - 1) for a, b in segments}
-    run_flops = {(a, b): costs.flops(first[a], first[b + 1] - 1) for a, b in segments}
+    run_ms, run_flops = stage_run_costs(graph, stages)
     return _StageModel(
         stages=stages,
         base=base_bytes / MIB,
