@@ -32,6 +32,7 @@ from planner.errors import PlannerError
 __all__ = [
     "StepInputs",
     "allocation_events",
+    "device_of",
     "loss_of",
     "run_step",
     "unflatten_output",
@@ -141,7 +142,8 @@ def _held_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
     return sum(seen.values())
 
 
-def _device_of(module: torch.nn.Module, inputs: StepInputs) -> torch.device:
+def device_of(module: torch.nn.Module, inputs: StepInputs) -> torch.device:
+    """The device of the module's first parameter, else of the first input tensor, else CPU."""
     for t in [*module.parameters(), *inputs.tensors()]:
         return t.device
     return torch.device("cpu")
@@ -152,7 +154,7 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
 
     RNG state, buffers and existing ``.grad`` are restored afterwards.
     """
-    device = _device_of(module, inputs)
+    device = device_of(module, inputs)
     with preserved_state(module):
         baseline = _held_bytes(module, inputs)
         if device.type == "cuda":
@@ -177,10 +179,15 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
         return baseline + _running_peak_bytes(prof)
 
 
-def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """``(time_ns, bytes)`` of every CPU allocation (+) and free (-) a memory profile recorded, in
-    time order. Their sum is the net growth over the profiled window; the highest running sum
+def allocation_events(prof: torch.profiler.profile, device_type: str = "cpu") -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every allocation (+) and free (-) on ``device_type`` that a memory
+    profile recorded, in time order. Their sum is the net growth over the profiled window; the highest running sum
     is its peak above what was allocated before.
+
+    Only frees of blocks allocated inside the window count. The CPU allocator remembers the size
+    of every block allocated while any memory profile was on, so a block left from an earlier
+    profile (garbage the collector frees in the middle of this one) would otherwise show as a
+    free of memory this window never held and lower its running sum.
 
     Example:
         >>> with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -189,14 +196,23 @@ def allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
         >>> sum(delta for _, delta in allocation_events(prof))
         4096
     """
-    events: list[tuple[int, int]] = []
+    recorded: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if str(node.tag).endswith("Allocation") and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, int(node.extra_fields.alloc_size)))
+        if str(node.tag).endswith("Allocation") and node.extra_fields.device.type == device_type:
+            fields = node.extra_fields
+            recorded.append((node.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
         stack.extend(node.children)
-    events.sort(key=lambda e: e[0])
+    recorded.sort(key=lambda e: e[0])
+    live: dict[int, int] = {}
+    events: list[tuple[int, int]] = []
+    for time_ns, ptr, delta in recorded:
+        if delta > 0:
+            live[ptr] = delta
+        elif live.pop(ptr, None) is None:
+            continue  # allocated before the window began
+        events.append((time_ns, delta))
     return events
 
 

@@ -34,7 +34,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiling.measure import StepInputs, loss_of, preserved_state, unflatten_output
+from profiling.measure import StepInputs, allocation_events, device_of, loss_of, preserved_state, unflatten_output
 
 __all__ = ["measure_node_peaks", "FakeAllocationTracker"]
 
@@ -71,9 +71,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[di
         del output, flat_out
 
     events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
-    allocations = sorted(
-        (e.start_time_ns, int(e.extra_fields.alloc_size)) for e in events if str(e.tag).endswith("Allocation")
-    )
+    allocations = allocation_events(prof, device_of(gm, inputs).type)
     times = [t for t, _ in allocations]
     running: list[int] = []
     total = 0
