@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 from planner.costgraph import CostGraph
-from planner.rerun import after_last_save_fraction
+from planner.rerun import after_last_save_time_fraction
 from planner.simulate import simulate
 
 __all__ = ["recompute_lower_bound_ms"]
@@ -92,7 +92,7 @@ def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments
     least_ms = {}
     for name in {m for _, m, _ in freeable}:
         node = graph.node(name)
-        share = 1.0 - after_last_save_fraction(graph, node) if name in saves_own else 1.0
+        share = 1.0 - after_last_save_time_fraction(graph, node) if name in saves_own else 1.0
         least_ms[name] = node.time_ms * share
     moments = sorted((m for m in unoptimized.timeline if m[2] > budget_bytes), key=lambda m: -m[2])[:max_moments]
     bound = 0.0

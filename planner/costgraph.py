@@ -73,11 +73,16 @@ class CostNode:
             nothing in place and draws no random numbers); :mod:`planner.keep` decides which.
         viewed_storages: storages of its inputs that ops inside the node return views of (a
             linear reshapes its input): a selective policy keeping the node holds them too.
-        after_last_save_fraction: the share of the node's forward (time and FLOPs) that runs
-            after autograd saved its last tensor for backward. A checkpoint recompute stops
-            there when the node is the last of its segment to save anything (a linear saves
-            its inputs before its matmul: 1.0; a relu saves its output after: 0.0). None when
+        after_last_save_fraction: the share of the node's forward (FLOPs, or dispatched ops for
+            a node without FLOPs) that runs after autograd saved its last tensor for backward. A
+            checkpoint recompute stops there when the node is the last of its segment to save
+            anything (a linear saves its inputs before its matmul: 1.0; a relu saves its output
+            after: 0.0). None when
             not measured: :mod:`planner.rerun` then infers it from the saved storages.
+        after_last_save_time_fraction: the same share of the node's forward time, measured in
+            the warm timing passes for nodes with a share strictly between 0 and 1 (CPU
+            attention: half its FLOPs but less of its time come after it saves its softmax).
+            None: the time share is taken to be ``after_last_save_fraction``.
     """
 
     name: str
@@ -99,11 +104,13 @@ class CostNode:
     selective_save: bool = False
     viewed_storages: tuple[int, ...] = ()
     after_last_save_fraction: float | None = None
+    after_last_save_time_fraction: float | None = None
 
     def __post_init__(self) -> None:
-        if self.after_last_save_fraction is not None and not 0.0 <= self.after_last_save_fraction <= 1.0:
-            raise ValueError(f"node {self.name!r}: after_last_save_fraction must be in [0, 1], "
-                             f"got {self.after_last_save_fraction!r}")
+        for field_name in ("after_last_save_fraction", "after_last_save_time_fraction"):
+            value = getattr(self, field_name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"node {self.name!r}: {field_name} must be in [0, 1], got {value!r}")
         if self.kind not in NODE_KINDS:
             raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
 

@@ -6,9 +6,10 @@ op's inputs before the op runs and its outputs after it, so the rerun covers eve
 the last one that saves a tensor, and of that node only the part before its last save: a
 segment that ends ``linear, gelu, linear`` reruns the first linear and the gelu, and stops when
 the second linear has saved its input and weight, before its matmul. Nodes after the last
-saver never rerun. The profiler measures each node's share after its last save
-(``CostNode.after_last_save_fraction``); for a node without it, the share is 1 when every
-tensor it saves is one of its inputs, else 0.
+saver never rerun. The profiler measures each node's share after its last save, of its FLOPs
+(``CostNode.after_last_save_fraction``) and of its time (``after_last_save_time_fraction``:
+CPU attention saves its softmax halfway through its FLOPs but well past half its time); for a
+node without them, the share is 1 when every tensor it saves is one of its inputs, else 0.
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -33,7 +34,7 @@ from itertools import accumulate
 from planner.costgraph import CostGraph, CostNode
 from planner.stages import Stage
 
-__all__ = ["ChainCosts", "after_last_save_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs",
+__all__ = ["ChainCosts", "after_last_save_fraction", "after_last_save_time_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs",
            "skipped_node_names", "stage_run_costs"]
 
 
@@ -73,6 +74,24 @@ def after_last_save_fraction(graph: CostGraph, node: CostNode) -> float:
     if node.after_last_save_fraction is not None:
         return node.after_last_save_fraction
     return 1.0 if saves_only_inputs(graph, node) else 0.0
+
+
+def after_last_save_time_fraction(graph: CostGraph, node: CostNode) -> float:
+    """The share of ``node``'s forward *time* a recompute skips when it stops at this node: the
+    profiler's timed share where the node stops partway (a share strictly between 0 and 1),
+    else :func:`after_last_save_fraction`.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("sdpa", "attention", after_last_save_fraction=0.5,
+        ...                         after_last_save_time_fraction=0.2),), ())
+        >>> after_last_save_time_fraction(g, g.node("sdpa"))
+        0.2
+    """
+    share = after_last_save_fraction(graph, node)
+    if 0.0 < share < 1.0 and node.after_last_save_time_fraction is not None:
+        return node.after_last_save_time_fraction
+    return share
 
 
 def _last_saver(graph: CostGraph, node_names: Sequence[str]) -> int:
@@ -118,7 +137,8 @@ def skipped_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterab
 
 def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[float, int]:
     """``(time_ms, flops)`` the recompute of the segment ``node_names`` spends: the nodes
-    :func:`rerun_node_names` lists, the last saver only up to its last save.
+    :func:`rerun_node_names` lists, the last saver only up to its last save (its time and FLOPs
+    shares before that save).
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -134,9 +154,12 @@ def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] 
         if name in kept_names:
             continue
         node = graph.node(name)
-        share = 1.0 - after_last_save_fraction(graph, node) if i == last else 1.0
-        time_ms += node.time_ms * share
-        flops += round(node.flops * share)
+        if i == last:
+            time_ms += node.time_ms * (1.0 - after_last_save_time_fraction(graph, node))
+            flops += round(node.flops * (1.0 - after_last_save_fraction(graph, node)))
+        else:
+            time_ms += node.time_ms
+            flops += node.flops
     return time_ms, flops
 
 
@@ -164,7 +187,8 @@ class ChainCosts:
             if node.saved_storages:
                 last = i
             self._last_saver.append(last)
-        self._share = [1.0 - after_last_save_fraction(graph, n) if n.saved_storages else 0.0 for n in nodes]
+        self._time_share = [1.0 - after_last_save_time_fraction(graph, n) if n.saved_storages else 0.0 for n in nodes]
+        self._flops_share = [1.0 - after_last_save_fraction(graph, n) if n.saved_storages else 0.0 for n in nodes]
         self._time = [n.time_ms for n in nodes]
         self._flops = [n.flops for n in nodes]
 
@@ -177,14 +201,14 @@ class ChainCosts:
         end = self._last(first, last)
         if end < 0:
             return 0.0
-        return self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._share[end]
+        return self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._time_share[end]
 
     def flops(self, first: int, last: int) -> int:
         """Recomputed FLOPs of the run of positions ``first..last`` (inclusive)."""
         end = self._last(first, last)
         if end < 0:
             return 0
-        return self._flops_prefix[end] - self._flops_prefix[first] + round(self._flops[end] * self._share[end])
+        return self._flops_prefix[end] - self._flops_prefix[first] + round(self._flops[end] * self._flops_share[end])
 
 
 def stage_run_costs(graph: CostGraph, stages: Sequence[Stage]) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:

@@ -43,7 +43,7 @@ __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cach
 log = logging.getLogger(__name__)
 
 #: Bumped when the meaning of a profile changes without a change of its fields.
-CACHE_VERSION = 5  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction
+CACHE_VERSION = 6  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction
 
 
 def _schema() -> str:

@@ -8,22 +8,28 @@ expensive to recompute. So the graph is run as a step (forward node by node unde
 ``Interpreter`` that frees values after their last use, then backward) after one untimed
 warm-up step, and each node gets the median of its times over the timed passes.
 
+For the nodes named in ``split_nodes`` the passes also time the share of the node that runs
+after autograd saved its last tensor for backward (where a checkpoint recompute stops, see
+``planner.rerun``): CPU attention saves its softmax before its last matmul, half its FLOPs but
+a smaller share of its time, since the softmax, mask and dropout over the scores are slow.
+
 Example:
     >>> import torch
     >>> from profiling.trace import trace_module
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     >>> x = torch.randn(4, 8)
     >>> gm = trace_module(model, (x,))
-    >>> times = time_nodes_in_passes(gm, [x], repeats=2, timer=cpu_timer)
-    >>> times["relu"] > 0
-    True
+    >>> times = time_nodes_in_passes(gm, [x], repeats=2, timer=cpu_timer, split_nodes={"relu"})
+    >>> times.time_ms["relu"] > 0, 0.0 <= times.after_last_save_share["relu"] <= 1.0
+    (True, True)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ import torch.fx
 
 from profiling.measure import loss_of, preserved_state, unflatten_output
 
-__all__ = ["Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda"]
+__all__ = ["NodeTimes", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda"]
 
 #: Runs a callable once and returns how long it took, in milliseconds.
 Timer = Callable[[Callable[[], Any]], float]
@@ -44,63 +50,122 @@ def cpu_timer(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-class _NodeTimer(torch.fx.Interpreter):
-    """An interpreter that adds each node's time to ``times_ms``; values are freed after their
-    last use, as in the module's own forward."""
+@dataclasses.dataclass(frozen=True)
+class NodeTimes:
+    """Median forward time of every node, in ms, and for the nodes asked for, the median share
+    of that time spent after the node's last save for backward (0 to 1)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, timer: Timer, times_ms: dict[str, list[float]] | None) -> None:
+    time_ms: dict[str, float]
+    after_last_save_share: dict[str, float]
+
+
+def _share(start: float, last_save: float, end: float) -> float:
+    return min(1.0, max(0.0, (end - last_save) / (end - start))) if end > start else 0.0
+
+
+class _NodeTimer(torch.fx.Interpreter):
+    """An interpreter that adds each node's time to ``times_ms`` and, for ``split_nodes``, the
+    share after its last save to ``shares``; values are freed after their last use, as in the
+    module's own forward."""
+
+    def __init__(self, gm: torch.fx.GraphModule, timer: Timer, times_ms: dict[str, list[float]] | None,
+                 split_nodes: Collection[str] = (), shares: dict[str, list[float]] | None = None) -> None:
         super().__init__(gm)
         self.timer = timer
         self.times_ms = times_ms
+        self.split_nodes = split_nodes
+        self.shares = shares
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result: Any = None
+        marks: list[float] = []
 
         def run() -> None:
             nonlocal result
+            marks.append(time.perf_counter())
             result = super(_NodeTimer, self).run_node(n)
+            marks.append(time.perf_counter())
 
         if self.times_ms is None or n.op in ("placeholder", "output"):
             run()
+        elif self.shares is not None and n.name in self.split_nodes:
+            saves: list[float] = []
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saves.append(time.perf_counter())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self.times_ms.setdefault(n.name, []).append(self.timer(run))
+            if saves:
+                self.shares.setdefault(n.name, []).append(_share(marks[0], saves[-1], marks[-1]))
         else:
             self.times_ms.setdefault(n.name, []).append(self.timer(run))
         return result
 
 
-def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
-                         timer: Timer) -> dict[str, float]:
-    """Median forward time (ms) of every node of ``gm`` over ``repeats`` warm training steps.
+def _medians(values: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(v) for name, v in values.items()}
 
-    ``flat_inputs`` are the graph's placeholders in order; ``timer`` measures one call (a
-    CUDA-event timer on a GPU, :func:`cpu_timer` on CPU). One untimed step runs first. RNG
-    state, buffers and ``.grad`` of ``gm`` are restored afterwards.
+
+def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
+                         timer: Timer, split_nodes: Collection[str] = ()) -> NodeTimes:
+    """Median forward time (ms) of every node of ``gm`` over ``repeats`` warm training steps on
+    CPU, and of each of ``split_nodes`` the share after its last save (wall clock at the last
+    pack of a saved tensor; a node that saves nothing gets none).
+
+    ``flat_inputs`` are the graph's placeholders in order; ``timer`` measures one call
+    (:func:`cpu_timer`). One untimed step runs first. RNG state, buffers and ``.grad`` of ``gm``
+    are restored afterwards.
     """
     times_ms: dict[str, list[float]] = {}
+    shares: dict[str, list[float]] = {}
     with preserved_state(gm):
         for timed in [False] + [True] * max(1, repeats):
-            flat_out = _NodeTimer(gm, timer, times_ms if timed else None).run(*flat_inputs, enable_io_processing=False)
+            interpreter = _NodeTimer(gm, timer, times_ms if timed else None, split_nodes, shares)
+            flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)
             loss_of(unflatten_output(gm, flat_out)).backward()
             del flat_out
             for p in gm.parameters():
                 p.grad = None
-    return {name: statistics.median(values) for name, values in times_ms.items()}
+    return NodeTimes(_medians(times_ms), _medians(shares))
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class _EventRecorder(torch.fx.Interpreter):
-    """An interpreter that records a CUDA event before and after each node, without waiting."""
+    """An interpreter that records a CUDA event before and after each node, without waiting,
+    and for ``split_nodes`` one when autograd saves each tensor for backward."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, split_nodes: Collection[str] = ()) -> None:
         super().__init__(gm)
+        self.split_nodes = split_nodes
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.last_saves: dict[str, torch.cuda.Event] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op in ("placeholder", "output"):
             return super().run_node(n)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = super().run_node(n)
-        end.record()
+        saves: list[torch.cuda.Event] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saves.append(_timing_event())
+            return t
+
+        start = _timing_event()
+        if n.name in self.split_nodes:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                result = super().run_node(n)
+        else:
+            result = super().run_node(n)
+        end = _timing_event()
         self.events.append((n.name, start, end))
+        if saves:
+            self.last_saves[n.name] = saves[-1]
         return result
 
 
@@ -116,7 +181,7 @@ def _ms_per_sleep_cycle() -> float:
 
 
 def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
-                       max_hold_ms: float = 2000.0) -> dict[str, float]:
+                       max_hold_ms: float = 2000.0, split_nodes: Collection[str] = ()) -> NodeTimes:
     """Median GPU time (ms) of every node of ``gm`` over ``repeats`` warm training steps.
 
     Running a graph node by node from Python launches kernels more slowly than a compiled
@@ -124,9 +189,11 @@ def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats
     launch gaps. Here the GPU is held by a spin kernel (``torch.cuda._sleep``) for longer than
     the forward takes to launch, so the whole forward is queued before it runs and each node's
     events time its kernels back to back. One untimed step runs first (and sizes the hold). RNG
-    state, buffers and ``.grad`` of ``gm`` are restored afterwards.
+    state, buffers and ``.grad`` of ``gm`` are restored afterwards. ``split_nodes`` get the GPU
+    time share after their last save, as in :func:`time_nodes_in_passes`.
     """
     times_ms: dict[str, list[float]] = {}
+    shares: dict[str, list[float]] = {}
     ms_per_cycle = _ms_per_sleep_cycle()
     launch_ms = max_hold_ms
     with preserved_state(gm):
@@ -134,7 +201,7 @@ def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats
             torch.cuda.synchronize()
             if timed:
                 torch.cuda._sleep(int(min(max_hold_ms, 1.5 * launch_ms) / ms_per_cycle))
-            recorder = _EventRecorder(gm)
+            recorder = _EventRecorder(gm, split_nodes)
             launched = time.perf_counter()
             flat_out = recorder.run(*flat_inputs, enable_io_processing=False)
             if not timed:
@@ -147,4 +214,8 @@ def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats
             if timed:
                 for name, start, end in recorder.events:
                     times_ms.setdefault(name, []).append(start.elapsed_time(end))
-    return {name: statistics.median(values) for name, values in times_ms.items()}
+                    if name in recorder.last_saves:
+                        total_ms = start.elapsed_time(end)
+                        after_ms = recorder.last_saves[name].elapsed_time(end)
+                        shares.setdefault(name, []).append(_share(0.0, total_ms - after_ms, total_ms))
+    return NodeTimes(_medians(times_ms), _medians(shares))

@@ -227,7 +227,8 @@ def _signature(n: torch.fx.Node, inputs: list[tuple[torch.Tensor, int]], result:
 
 
 def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
-    """Give every node the median time of all nodes running the same op on the same shapes.
+    """Give every node the median time of all nodes running the same op on the same shapes
+    (and the median of their measured time shares after the last save).
 
     A transformer runs each op once per layer; timing noise on a shared machine (one mul 5x
     slower than its twin in the next layer) would otherwise steer the planner. Returns how
@@ -246,8 +247,12 @@ def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
     for members in groups.values():
         if len(members) > 1:
             median_ms = statistics.median(r["time_ms"] for r in members)
+            shares = [r["after_last_save_time_fraction"] for r in members
+                      if r.get("after_last_save_time_fraction") is not None]
             for r in members:
                 r["time_ms"] = median_ms
+                if shares:
+                    r["after_last_save_time_fraction"] = statistics.median(shares)
             pooled += len(members)
     return pooled
 
@@ -398,10 +403,15 @@ def profile_graph(
     else:
         timer = _timer(device)
         progress_log.info("profiling: timing nodes in %d warm passes", timing_repeats)
-        node_times_ms = (time_nodes_on_cuda(gm, flat, timing_repeats) if device.type == "cuda"
-                         else time_nodes_in_passes(gm, flat, timing_repeats, timer))
-        for name, time_ms in node_times_ms.items():
+        # nodes a recompute can stop inside: time the share after their last save
+        split = {name for name, rec in interp.records.items()
+                 if rec.get("after_last_save_fraction") is not None and 0.0 < rec["after_last_save_fraction"] < 1.0}
+        node_times = (time_nodes_on_cuda(gm, flat, timing_repeats, split_nodes=split) if device.type == "cuda"
+                      else time_nodes_in_passes(gm, flat, timing_repeats, timer, split_nodes=split))
+        for name, time_ms in node_times.time_ms.items():
             interp.records[name]["time_ms"] = time_ms
+        for name, share in node_times.after_last_save_share.items():
+            interp.records[name]["after_last_save_time_fraction"] = share
         pooled = pool_repeated_op_times(interp.records)
         log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
         with preserved_state(gm):
@@ -516,6 +526,7 @@ def _cost_nodes(
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 selective_save=kind == "compute" and _keepable(n, is_alias, rec),
                 after_last_save_fraction=rec["after_last_save_fraction"] if kind == "compute" else None,
+                after_last_save_time_fraction=rec.get("after_last_save_time_fraction") if kind == "compute" else None,
                 viewed_storages=tuple(dict.fromkeys(
                     k for t in rec["input_views"] if (k := table.key(t)) is not None)) if kind == "compute" else (),
             )

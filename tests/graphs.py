@@ -36,9 +36,11 @@ def random_dag(seed: int, n: int) -> CostGraph:
     """A random DAG of ``n`` compute nodes with skip connections, views and internal saves.
     Half the nodes that save an internal storage (a composite op) run half their forward after
     their last save (``after_last_save_fraction=0.5``, from a generator of its own so that the
-    graphs are otherwise the same as before the field existed)."""
+    graphs are otherwise the same as before the field existed), and half of those a fifth of
+    their time (``after_last_save_time_fraction=0.2``, from a third generator)."""
     rng = random.Random(seed)
     fraction_rng = random.Random(seed * 7919 + 1)
+    time_fraction_rng = random.Random(seed * 104729 + 3)
     storages = [Storage(0, MIB, persistent=True), Storage(1, 2 * MIB, persistent=True)]
     nodes = [
         CostNode("x", "placeholder", kind="input", output_storages=(0,)),
@@ -67,18 +69,20 @@ def random_dag(seed: int, n: int) -> CostGraph:
         for p in parents:
             if p[1] != 0 and rng.random() < 0.5:
                 saved.append(p[1])
-        fraction = None
+        fraction = time_fraction = None
         if rng.random() < 0.2:
             internal = len(storages)
             storages.append(Storage(internal, MIB // 2))
             saved.append(internal)
             fraction = 0.5 if fraction_rng.random() < 0.5 else None
+            time_fraction = 0.2 if fraction is not None and time_fraction_rng.random() < 0.5 else None
         nodes.append(CostNode(
             name, "op", input_names=tuple(dict.fromkeys(inputs)), output_storages=(key,),
             saved_storages=tuple(dict.fromkeys(saved)), output_bytes=size, requires_grad=True,
             time_ms=rng.uniform(0.1, 3.0), flops=rng.randrange(0, 10**6),
             forward_peak_bytes=size + (MIB if rng.random() < 0.2 else 0),
             selective_save=rng.random() < 0.3, after_last_save_fraction=fraction,
+            after_last_save_time_fraction=time_fraction,
         ))
         values.append((name, key, size))
     return CostGraph(tuple(nodes), tuple(storages), output_names=(values[-1][0],))

@@ -166,7 +166,8 @@ def test_warm_pass_node_times_leave_the_model_as_it_was():
     times = time_nodes_in_passes(gm, flat_graph_inputs(gm, StepInputs.from_example((x,))), repeats=2,
                                  timer=cpu_timer)
     computed = [n.name for n in gm.graph.nodes if n.op == "call_function"]
-    assert set(computed) <= set(times) and all(times[name] > 0 for name in computed)
+    assert set(computed) <= set(times.time_ms) and all(times.time_ms[name] > 0 for name in computed)
+    assert times.after_last_save_share == {}
     assert all(torch.equal(a, b) for a, b in zip(running_mean, gm.buffers()))
     assert all(p.grad is None for p in gm.parameters())
     assert torch.equal(rng, torch.get_rng_state())
@@ -213,6 +214,10 @@ def test_share_of_forward_after_the_last_save_is_measured():
     assert [n.after_last_save_fraction for n in nodes_by_op(graph, "linear")] == [1.0, 1.0]
     assert relu.after_last_save_fraction == 0.0
     assert attention.after_last_save_fraction == pytest.approx(0.5)
+    # only a node a recompute can stop partway through gets a timed share
+    assert 0.0 < attention.after_last_save_time_fraction < 1.0
+    assert relu.after_last_save_time_fraction is None
+    assert all(n.after_last_save_time_fraction is None for n in nodes_by_op(graph, "linear"))
 
     def step_flops(module) -> int:
         with FlopCounterMode(display=False) as counter:

@@ -58,6 +58,20 @@ def test_a_measured_fraction_overrides_the_inferred_one():
         CostNode("bad", "op", after_last_save_fraction=1.5)
 
 
+def test_a_timed_share_prices_time_and_the_flop_share_prices_flops():
+    g = with_fraction(mlp_block(), "down", 0.5)
+    timed = dataclasses.replace(g, nodes=tuple(
+        dataclasses.replace(n, after_last_save_time_fraction=0.25) if n.name in ("down", "relu") else n
+        for n in g.nodes))
+    # down stops partway: 3/4 of its time and half its FLOPs rerun
+    assert rerun_cost(timed, ("relu", "down")) == (1.0 + 3.0, 200)
+    assert ChainCosts(timed, ("relu", "down")).time_ms(0, 1) == 4.0
+    # relu saves its own output when done (share 0): a timed share cannot move that
+    assert rerun_cost(timed, ("up", "relu")) == (5.0, 400)
+    with pytest.raises(ValueError, match="after_last_save_time_fraction"):
+        CostNode("bad", "op", after_last_save_time_fraction=-0.1)
+
+
 def test_kept_nodes_and_skipped_nodes_are_not_recomputed():
     g = mlp_block()
     segment = segment_with_kept(g, ("up", "relu", "down", "add"), {"up"})
