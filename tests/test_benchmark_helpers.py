@@ -58,3 +58,27 @@ def test_step_time_ratios_are_relative_to_the_first_module() -> None:
                               repeats=3)
     assert ratios[0] == 1.0 and ratios[1] > 0
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_timed_segments_sees_each_segment_once_forward_and_once_in_the_backward() -> None:
+    from recompute_time import timed_segments
+
+    from planner import optimize
+
+    torch.manual_seed(0)
+    model = ResidualMLP(width=16, hidden=64, blocks=4).train()
+    x = torch.randn(512, 16)
+    unoptimized = optimize(model, (x,), budget_gb=1.0).plan.unoptimized_peak_bytes
+    opt = optimize(model, (x,), budget_gb=0.5 * unoptimized / 2**30)
+    assert opt.plan.segments
+    with timed_segments() as calls:
+        opt(x).sum().backward()
+    phases = [phase for _, phase, _ in calls]
+    assert phases.count("forward") == len(opt.plan.segments)
+    # a segment that saved nothing for backward is never recomputed
+    graph = opt.cost_graph
+    saving = sum(1 for seg in opt.plan.segments if any(graph.node(n).saved_storages for n in seg.node_names))
+    assert saving and phases.count("recompute") == saving
+    assert all(t > 0 for _, _, t in calls)
+    opt(x)  # the class is restored: no more calls recorded
+    assert len(calls) == len(phases)
