@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from planner.costgraph import CostGraph
@@ -66,8 +67,10 @@ def crossing_bytes(graph: CostGraph) -> list[int]:
     return out
 
 
-def build_stages(graph: CostGraph, max_stages: int = 32) -> list[Stage]:
-    """Split the compute nodes into at most about ``max_stages`` stages at low-crossing cuts."""
+def build_stages(graph: CostGraph, max_stages: int = 32, required_cuts: Collection[int] = ()) -> list[Stage]:
+    """Split the compute nodes into at most about ``max_stages`` stages at low-crossing cuts,
+    plus a cut before each compute-node position in ``required_cuts`` (the boundaries of a
+    plan that must stay expressible)."""
     compute = [n for n in graph.nodes if n.kind == "compute"]
     if not compute:
         return []
@@ -84,6 +87,7 @@ def build_stages(graph: CostGraph, max_stages: int = 32) -> list[Stage]:
             window = range(max(1, centre - half), min(count, centre + half + 1))
             best = min(window, key=lambda p: (crossing[p], abs(p - centre)))
             cuts.add(best)
+    cuts.update(required_cuts)
     for r, node in enumerate(compute):
         if not node.recomputable:
             cuts.update((r, r + 1))

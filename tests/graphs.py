@@ -86,3 +86,29 @@ def random_dag(seed: int, n: int) -> CostGraph:
         ))
         values.append((name, key, size))
     return CostGraph(tuple(nodes), tuple(storages), output_names=(values[-1][0],))
+
+
+def mlp_blocks(blocks: int) -> CostGraph:
+    """Residual MLP blocks, ``x + down(gelu(up(norm(x))))``, hidden 4x wide: norm, both linears
+    and gelu save only their inputs (their recompute can end before their kernel), add saves
+    nothing."""
+    storages = [Storage(0, MIB, persistent=True), Storage(1, MIB, persistent=True)]
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+             CostNode("w", "get_attr", kind="param", output_storages=(1,), output_bytes=MIB, requires_grad=True)]
+
+    def add(name: str, inputs: tuple[str, ...], size: int, saved: tuple[int, ...], time_ms: float) -> int:
+        key = len(storages)
+        storages.append(Storage(key, size))
+        nodes.append(CostNode(name, "op", input_names=inputs, output_storages=(key,), saved_storages=saved,
+                              output_bytes=size, requires_grad=True, time_ms=time_ms))
+        return key
+
+    prev, prev_key = "x", 0
+    for b in range(blocks):
+        normed = add(f"norm{b}", (prev,), MIB, (prev_key,), 0.3)
+        hidden = add(f"up{b}", (f"norm{b}", "w"), 4 * MIB, (normed, 1), 5.0)
+        activated = add(f"gelu{b}", (f"up{b}",), 4 * MIB, (hidden,), 1.5)
+        add(f"down{b}", (f"gelu{b}", "w"), MIB, (activated, 1), 5.0)
+        prev_key = add(f"add{b}", (f"down{b}", prev), MIB, (), 0.2)
+        prev = f"add{b}"
+    return CostGraph(tuple(nodes), tuple(storages), output_names=(prev,))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphs import MIB, chain, random_dag
+from graphs import MIB, chain, mlp_blocks, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
 from planner.pipeline import plan_for_budget
 from planner.relaxation import search_cheapest
@@ -110,7 +110,8 @@ def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
             raise pulp.PulpSolverError("cannot execute solver binary")
 
     monkeypatch.setattr(solve_module, "_solver_named",
-                        lambda name, t, presolve=True: BrokenBinary() if name == "HiGHS" else real(name, t, presolve))
+                        lambda name, t, presolve=True, from_start=False:
+                        BrokenBinary() if name == "HiGHS" else real(name, t, presolve, from_start))
     g = chain([4, 4, 4, 4, 4, 4])
     budget = int(simulate(g).peak_bytes * 0.8)
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
@@ -172,8 +173,8 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     replayed within budget, and its gap is the solver's."""
     real = solve_module._run_solver
 
-    def stopped_at_limit(prob, name, time_limit_s, presolve=True):
-        used = real(prob, name, time_limit_s, presolve)
+    def stopped_at_limit(prob, name, time_limit_s, presolve=True, from_start=False):
+        used = real(prob, name, time_limit_s, presolve, from_start)
         prob.sol_status = pulp.LpSolutionIntegerFeasible
         return used
 
@@ -410,3 +411,59 @@ def test_a_highs_solve_prints_nothing_on_stdout():
                           cwd=tests.parent, env={**__import__("os").environ, "PYTHONPATH": f"{tests}:{tests.parent}"})
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.6, 0.7, 0.8])
+def test_the_finer_pass_finds_segments_the_coarse_stages_cannot_express(fraction):
+    """On 4 stages for 8 MLP blocks, the coarse cuts fall mid-block where they must; the second
+    ILP, on about twice as many stages and started from the first plan, ends segments right
+    after a linear (whose matmul is then never recomputed)."""
+    g = mlp_blocks(8)
+    budget = int(simulate(g).peak_bytes * fraction)
+    coarse = solve(g, budget, max_stages=4, finer_s=0, exact=False)
+    finer = solve(g, budget, max_stages=4, exact=False)
+    assert finer.recompute_ms < 0.9 * coarse.recompute_ms
+    assert finer.solver.endswith("(finer stages)")
+    assert finer.predicted_peak_bytes == simulate(g, finer.segments).peak_bytes <= budget
+    for seg in finer.segments:
+        assert (seg.recompute_ms, seg.recompute_flops) == rerun_cost(g, seg.node_names)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), fraction=st.floats(0.4, 0.9))
+def test_the_finer_pass_never_returns_a_dearer_plan(seed, fraction):
+    g = random_dag(seed, 40)
+    budget = int(simulate(g).peak_bytes * fraction)
+    try:
+        coarse = solve(g, budget, max_stages=8, finer_s=0, refine_s=0, exact=False)
+    except InfeasibleBudgetError:
+        return
+    finer = solve(g, budget, max_stages=8, refine_s=0, exact=False)
+    assert finer.recompute_ms <= coarse.recompute_ms + 1e-9
+    assert simulate(g, finer.segments).peak_bytes <= budget
+
+
+def test_highs_starts_from_the_given_values_and_a_node_limit_returns_them():
+    """With no node to search and no heuristics, HiGHS can only return the start: the start
+    reached it, and the node limit reads as a feasible, unproven solve (PuLP maps no status for
+    it)."""
+    if "HiGHS" not in solve_module.available_solvers():
+        pytest.skip("HiGHS is not installed")
+    from planner.mip_start import HiGHSFromStart
+
+    def knapsack(start: list[int] | None) -> pulp.LpProblem:
+        prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
+        xs = [prob.add_variable(f"x{i}", cat="Binary") for i in range(12)]
+        prob += pulp.lpSum((i % 5 + 3) * x for i, x in enumerate(xs))
+        prob += pulp.lpSum((i % 4 + 2) * x for i, x in enumerate(xs)) <= 17
+        for i, x in enumerate(xs):
+            if start is not None:
+                x.setInitialValue(1.0 if i in start else 0.0)
+        prob.solve(HiGHSFromStart(msg=False, threads=1, presolve="off", mip_max_nodes=0, mip_heuristic_effort=0.0))
+        return prob
+
+    started = knapsack([0, 1, 2])  # weight 2 + 3 + 4, value 3 + 4 + 5
+    assert started.sol_status == pulp.LpSolutionIntegerFeasible
+    assert pulp.value(started.objective) == 12
+    assert {v.name for v in started.variables() if round(v.value()) == 1} == {"x0", "x1", "x2"}
+    assert knapsack(None).sol_status == pulp.LpSolutionNoSolutionFound

@@ -1,0 +1,67 @@
+"""Start HiGHS from a known plan: PuLP's HiGHS interface with a MIP start.
+
+PuLP hands HiGHS the model but not the variables' initial values. :class:`HiGHSFromStart`
+passes every variable that has one (``LpVariable.setInitialValue``) to ``Highs.setSolution``
+before the solve; HiGHS completes a partial start (the continuous variables) itself and,
+when it is feasible, begins its search from it, so a time limit returns a plan at least as
+good as the start. A start HiGHS finds infeasible is ignored. A search stopped by a node limit
+(``mip_max_nodes``, a limit on effort that gives the same plan on every machine, unlike a time
+limit) reads like one stopped by a time limit: the best plan found, if any, marked as feasible
+but not proven optimal (PuLP has no mapping for that HiGHS status).
+
+Example:
+    >>> import pulp
+    >>> prob = pulp.LpProblem("p", pulp.LpMinimize)
+    >>> x = prob.add_variable("x", cat="Binary")
+    >>> y = prob.add_variable("y", lowBound=0)
+    >>> prob += x + y
+    >>> prob += x + y >= 1
+    >>> _ = x.setInitialValue(1)
+    >>> if pulp.HiGHS(msg=False).available():
+    ...     _ = prob.solve(HiGHSFromStart(msg=False, threads=1))  # the threads every solve here uses
+    >>> round(pulp.value(prob.objective))
+    1
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pulp
+
+from planner.quiet_highs import absorb_highs_banner
+
+__all__ = ["HiGHSFromStart"]
+
+
+class HiGHSFromStart(pulp.HiGHS):  # type: ignore[misc, valid-type]
+    """:class:`pulp.HiGHS` that starts from the variables' initial values."""
+
+    def actualSolve(self, lp: Any) -> Any:  # noqa: N802 (PuLP's name)
+        absorb_highs_banner()  # made before PuLP's first Highs object, which would print it
+        return super().actualSolve(lp)
+
+    def callSolver(self, lp: Any) -> None:  # noqa: N802 (PuLP's name)
+        start = [(var.index, float(var.varValue)) for var in lp.variables() if var.varValue is not None]
+        if start:
+            import numpy
+
+            index = numpy.array([i for i, _ in start], dtype=numpy.int32)
+            value = numpy.array([v for _, v in start], dtype=numpy.float64)
+            lp.solverModel.setSolution(len(start), index, value)
+        super().callSolver(lp)
+
+    def findSolutionValues(self, lp: Any) -> tuple[int, int]:  # noqa: N802 (PuLP's name)
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:
+            # raised after the solution was read into the variables, for a status PuLP does
+            # not know; the only one this module causes is a node limit
+            import highspy
+
+            if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+                raise
+            if math.isfinite(lp.solverModel.getObjectiveValue()):
+                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
