@@ -655,7 +655,7 @@ def solve(
     After the ILP on ``max_stages`` stages finds a plan, a second ILP on about twice as many
     stages (every boundary of the first plan among them) starts from that plan and runs for up
     to ``finer_s`` seconds; the cheaper of the two is kept (:func:`_on_finer_stages`; 0 turns
-    it off, and so does ``exact``, which searches the stages more thoroughly).
+    it off). With ``exact`` too, the cheapest of the exact search's plan and the finer pass's.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
     account, solved and checked against the simulator until a plan fits, which either proves
@@ -699,13 +699,16 @@ def solve(
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
     ilp_found = plan is not None
     exact = _exact_search_on(graph, exact)
-    if plan is not None and finer_s > 0 and not exact:
-        plan = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
-                                solver=solver, time_limit_s=min(finer_s, time_limit_s),
-                                max_attempts=max_attempts, started=started)
+    finer = None
+    if plan is not None and finer_s > 0:
+        finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
+                                 solver=solver, time_limit_s=min(finer_s, time_limit_s),
+                                 max_attempts=max_attempts, started=started)
     if exact and not selective:
         plan = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized, solver, time_limit_s,
                                                started)
+    if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
+        plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
     if plan is not None:
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
