@@ -48,8 +48,7 @@ from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
 from planner.keep import keep_outputs, keepable_in_segment, kept_storages, policy_ms, segment_with_kept
-from planner.mip_start import HiGHSFromStart
-from planner.quiet_highs import absorb_highs_banner
+from planner.highs import HiGHSFromStart, PlannerHiGHS
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
 from planner.rerun import stage_run_costs
@@ -163,14 +162,13 @@ def _choose_solver(name: str | None) -> str:
 
 def _solver_named(name: str, time_limit_s: float, presolve: bool = True, from_start: bool = False) -> pulp.LpSolver:
     """The solver ``name``; ``from_start``: HiGHS starts from the variables' initial values and
-    stops after :data:`FINER_PASS_NODES` nodes (:mod:`planner.mip_start`; CBC ignores both)."""
+    stops after :data:`FINER_PASS_NODES` nodes (:mod:`planner.highs`; CBC ignores both)."""
     if name == "HiGHS":
-        absorb_highs_banner()  # HiGHS >= 1.16 prints it on stdout, into the CLI's JSON
         options: dict[str, Any] = {} if presolve else {"presolve": "off"}
         if from_start:
             return HiGHSFromStart(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP,
                                   mip_max_nodes=FINER_PASS_NODES, **options)
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP, **options)
+        return PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP, **options)
     return _cbc(time_limit_s)
 
 

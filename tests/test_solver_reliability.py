@@ -449,7 +449,7 @@ def test_highs_starts_from_the_given_values_and_a_node_limit_returns_them():
     it)."""
     if "HiGHS" not in solve_module.available_solvers():
         pytest.skip("HiGHS is not installed")
-    from planner.mip_start import HiGHSFromStart
+    from planner.highs import HiGHSFromStart
 
     def knapsack(start: list[int] | None) -> pulp.LpProblem:
         prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
@@ -467,3 +467,26 @@ def test_highs_starts_from_the_given_values_and_a_node_limit_returns_them():
     assert pulp.value(started.objective) == 12
     assert {v.name for v in started.variables() if round(v.value()) == 1} == {"x0", "x1", "x2"}
     assert knapsack(None).sol_status == pulp.LpSolutionNoSolutionFound
+
+
+def test_a_process_that_ran_highs_with_its_default_threads_can_still_plan():
+    """HiGHS sizes its thread scheduler once per process; a solve asking for another count was
+    refused, so every plan failed with "found no feasible plan" after the user's own PuLP model
+    ran HiGHS with its default threads."""
+    if "HiGHS" not in solve_module.available_solvers():
+        pytest.skip("HiGHS is not installed")
+    import highspy
+
+    users = pulp.LpProblem("users_model", pulp.LpMinimize)
+    x = users.add_variable("x", cat="Binary")
+    users += x
+    users += x >= 0
+    users.solve(pulp.HiGHS(msg=False))  # the scheduler now has HiGHS's default thread count
+    assert users.status == pulp.LpStatusOptimal
+    try:
+        g = chain([4, 8, 2, 8, 4, 8, 2, 8])
+        budget = int(simulate(g).peak_bytes * 0.7)
+        plan = solve(g, budget, solver="HiGHS")
+        assert plan.segments and plan.predicted_peak_bytes <= budget
+    finally:
+        highspy.Highs.resetGlobalScheduler(True)

@@ -1,13 +1,21 @@
-"""Start HiGHS from a known plan: PuLP's HiGHS interface with a MIP start.
+"""PuLP's HiGHS interface as the planner runs it: one thread, no banner, and a MIP start.
 
-PuLP hands HiGHS the model but not the variables' initial values. :class:`HiGHSFromStart`
-passes every variable that has one (``LpVariable.setInitialValue``) to ``Highs.setSolution``
-before the solve; HiGHS completes a partial start (the continuous variables) itself and,
-when it is feasible, begins its search from it, so a time limit returns a plan at least as
-good as the start. A start HiGHS finds infeasible is ignored. A search stopped by a node limit
-(``mip_max_nodes``, a limit on effort that gives the same plan on every machine, unlike a time
-limit) reads like one stopped by a time limit: the best plan found, if any, marked as feasible
-but not proven optimal (PuLP has no mapping for that HiGHS status).
+:class:`PlannerHiGHS` keeps HiGHS's start-up banner off standard output
+(:mod:`planner.quiet_highs`) and resets HiGHS's process-wide thread scheduler before each
+solve. HiGHS sizes that scheduler once per process, from the first solve's ``threads``; a
+later solve asking for another count is refused (PuLP then reports no solution). So a process
+that had run HiGHS with its default threads (the user's own PuLP model, say) made every solve
+of the planner, which runs one thread, fail with "found no feasible plan".
+
+:class:`HiGHSFromStart` also starts from a known plan. PuLP hands HiGHS the model but not the
+variables' initial values; it passes every variable that has one
+(``LpVariable.setInitialValue``) to ``Highs.setSolution`` before the solve. HiGHS completes a
+partial start (the continuous variables) itself and, when it is feasible, begins its search
+from it, so a time limit returns a plan at least as good as the start. A start HiGHS finds
+infeasible is ignored. A search stopped by a node limit (``mip_max_nodes``, a limit on effort
+that gives the same plan on every machine, unlike a time limit) reads like one stopped by a
+time limit: the best plan found, if any, marked as feasible but not proven optimal (PuLP has
+no mapping for that HiGHS status).
 
 Example:
     >>> import pulp
@@ -32,15 +40,24 @@ import pulp
 
 from planner.quiet_highs import absorb_highs_banner
 
-__all__ = ["HiGHSFromStart"]
+__all__ = ["HiGHSFromStart", "PlannerHiGHS"]
 
 
-class HiGHSFromStart(pulp.HiGHS):  # type: ignore[misc, valid-type]
-    """:class:`pulp.HiGHS` that starts from the variables' initial values."""
+class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
+    """:class:`pulp.HiGHS` with the banner absorbed and the thread scheduler reset to its own
+    ``threads`` before each solve."""
 
     def actualSolve(self, lp: Any) -> Any:  # noqa: N802 (PuLP's name)
         absorb_highs_banner()  # made before PuLP's first Highs object, which would print it
+        if self.threads is not None:
+            import highspy
+
+            highspy.Highs.resetGlobalScheduler(True)
         return super().actualSolve(lp)
+
+
+class HiGHSFromStart(PlannerHiGHS):
+    """:class:`PlannerHiGHS` that starts from the variables' initial values."""
 
     def callSolver(self, lp: Any) -> None:  # noqa: N802 (PuLP's name)
         start = [(var.index, float(var.varValue)) for var in lp.variables() if var.varValue is not None]
