@@ -40,7 +40,7 @@ import pulp
 
 from planner.quiet_highs import absorb_highs_banner
 
-__all__ = ["HiGHSFromStart", "PlannerHiGHS"]
+__all__ = ["HiGHSFromStart", "PlannerHiGHS", "stopped_at_node_limit"]
 
 
 class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
@@ -82,3 +82,10 @@ class HiGHSFromStart(PlannerHiGHS):
             if math.isfinite(lp.solverModel.getObjectiveValue()):
                 return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
             return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
+
+def stopped_at_node_limit(prob: pulp.LpProblem) -> bool:
+    """Whether HiGHS's last solve of ``prob`` ended at its node limit (an effort limit, not a
+    time limit); False for any other solver."""
+    model = getattr(prob, "solverModel", None)
+    return model is not None and "SolutionLimit" in str(model.getModelStatus())
