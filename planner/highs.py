@@ -1,4 +1,4 @@
-"""PuLP's HiGHS interface as the planner runs it: one thread, no banner, and a MIP start.
+"""PuLP's HiGHS interface as the planner runs it: one thread, no banner, and a node limit.
 
 :class:`PlannerHiGHS` keeps HiGHS's start-up banner off standard output
 (:mod:`planner.quiet_highs`) and resets HiGHS's process-wide thread scheduler before each
@@ -7,15 +7,10 @@ later solve asking for another count is refused (PuLP then reports no solution).
 that had run HiGHS with its default threads (the user's own PuLP model, say) made every solve
 of the planner, which runs one thread, fail with "found no feasible plan".
 
-:class:`HiGHSFromStart` also starts from a known plan. PuLP hands HiGHS the model but not the
-variables' initial values; it passes every variable that has one
-(``LpVariable.setInitialValue``) to ``Highs.setSolution`` before the solve. HiGHS completes a
-partial start (the continuous variables) itself and, when it is feasible, begins its search
-from it, so a time limit returns a plan at least as good as the start. A start HiGHS finds
-infeasible is ignored. A search stopped by a node limit (``mip_max_nodes``, a limit on effort
-that gives the same plan on every machine, unlike a time limit) reads like one stopped by a
-time limit: the best plan found, if any, marked as feasible but not proven optimal (PuLP has
-no mapping for that HiGHS status).
+A search stopped by a node limit (the ``mip_max_nodes`` option, a limit on effort that gives
+the same plan on every machine, unlike a time limit) reads like one stopped by a time limit:
+the best plan found, if any, marked as feasible but not proven optimal (PuLP has no mapping
+for that HiGHS status and would raise ``KeyError``).
 
 Example:
     >>> import pulp
@@ -24,9 +19,8 @@ Example:
     >>> y = prob.add_variable("y", lowBound=0)
     >>> prob += x + y
     >>> prob += x + y >= 1
-    >>> _ = x.setInitialValue(1)
     >>> if pulp.HiGHS(msg=False).available():
-    ...     _ = prob.solve(HiGHSFromStart(msg=False, threads=1))  # the threads every solve here uses
+    ...     _ = prob.solve(PlannerHiGHS(msg=False, threads=1))  # the threads every solve here uses
     >>> round(pulp.value(prob.objective))
     1
 """
@@ -40,12 +34,12 @@ import pulp
 
 from planner.quiet_highs import absorb_highs_banner
 
-__all__ = ["HiGHSFromStart", "PlannerHiGHS", "stopped_at_node_limit"]
+__all__ = ["PlannerHiGHS", "stopped_at_node_limit"]
 
 
 class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
-    """:class:`pulp.HiGHS` with the banner absorbed and the thread scheduler reset to its own
-    ``threads`` before each solve."""
+    """:class:`pulp.HiGHS` with the banner absorbed, the thread scheduler reset to its own
+    ``threads`` before each solve, and a node limit read as a feasible, unproven solve."""
 
     def actualSolve(self, lp: Any) -> Any:  # noqa: N802 (PuLP's name)
         absorb_highs_banner()  # made before PuLP's first Highs object, which would print it
@@ -55,26 +49,12 @@ class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             highspy.Highs.resetGlobalScheduler(True)
         return super().actualSolve(lp)
 
-
-class HiGHSFromStart(PlannerHiGHS):
-    """:class:`PlannerHiGHS` that starts from the variables' initial values."""
-
-    def callSolver(self, lp: Any) -> None:  # noqa: N802 (PuLP's name)
-        start = [(var.index, float(var.varValue)) for var in lp.variables() if var.varValue is not None]
-        if start:
-            import numpy
-
-            index = numpy.array([i for i, _ in start], dtype=numpy.int32)
-            value = numpy.array([v for _, v in start], dtype=numpy.float64)
-            lp.solverModel.setSolution(len(start), index, value)
-        super().callSolver(lp)
-
     def findSolutionValues(self, lp: Any) -> tuple[int, int]:  # noqa: N802 (PuLP's name)
         try:
             return super().findSolutionValues(lp)
         except KeyError:
             # raised after the solution was read into the variables, for a status PuLP does
-            # not know; the only one this module causes is a node limit
+            # not know; the only one the planner causes is a node limit
             import highspy
 
             if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
