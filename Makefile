@@ -1,5 +1,7 @@
 # make example: set up .venv (CPU torch) and run the quickstart; make test: the whole suite.
 VENV ?= .venv
+# test worker processes (pytest-xdist); each runs torch on one thread (tests/conftest.py)
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
 .PHONY: setup example test test-fast table anchors anchors-quick quality
@@ -16,10 +18,10 @@ example: setup
 	$(PY) examples/quickstart.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 table: setup
 	$(PY) benchmarks/budget_table.py --csv benchmarks/budget_table.csv
