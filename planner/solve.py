@@ -643,8 +643,8 @@ def solve(
 
     After the ILP on ``max_stages`` stages finds a plan, a second ILP on about twice as many
     stages (every boundary of the first plan among them) runs for up to
-    :data:`FINER_PASS_NODES` nodes or ``finer_s`` seconds; the cheaper of the two is kept (:func:`_on_finer_stages`; 0 turns
-    it off). With ``exact`` too, the cheapest of the exact search's plan and the finer pass's.
+    :data:`FINER_PASS_NODES` nodes or ``finer_s`` seconds; the cheaper of the two is kept
+    (:func:`_on_finer_stages`; 0 turns it off). With ``exact`` too, the cheapest of the exact search's plan and the finer pass's.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
     account, solved and checked against the simulator until a plan fits, which either proves
