@@ -61,7 +61,7 @@ from planner.rerun import stage_run_costs
 from planner.simulate import simulate
 from planner.stages import Stage
 
-__all__ = ["RelaxedSearchResult", "search_cheapest"]
+__all__ = ["OptimisticAccount", "RelaxedSearchResult", "search_cheapest"]
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,15 @@ class RelaxedSearchResult:
     hit_time_limit: bool = False
 
 
-class _Account:
-    """The optimistic memory account of one budget over a chain of stages, as a PuLP model."""
+class OptimisticAccount:
+    """The optimistic memory account of one budget over a chain of stages, as a PuLP model.
+
+    ``y[(a, b)]`` is the binary "stages ``a..b`` run as one checkpointed segment";
+    :meth:`add_moment` constrains one moment of the unoptimized step (``moments`` lists those
+    over the budget). The objective is the recompute time, with a tie-break towards fewer
+    segments far below any node's time; ``run_ms`` and ``run_flops`` price every run, for
+    another objective (:mod:`planner.reach` sets its own).
+    """
 
     def __init__(self, graph: CostGraph, stages: list[Stage], budget_bytes: int) -> None:
         self.graph = graph
@@ -135,7 +142,7 @@ class _Account:
         runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
         self.saving_backward = sorted(self.pos[n.name] for n in graph.compute_nodes
                                       if n.saved_storages and n.name in runs_backward)
-        self.run_ms, _ = stage_run_costs(graph, stages)
+        self.run_ms, self.run_flops = stage_run_costs(graph, stages)
         count = len(stages)
         self.runs = [(a, b) for a in range(count) for b in range(a, count)
                      if all(stages[j].recomputable for j in range(a, b + 1))]
@@ -312,7 +319,7 @@ def search_cheapest(
         See the module docstring.
     """
     started = time.perf_counter()
-    account = _Account(graph, stages, budget_bytes)
+    account = OptimisticAccount(graph, stages, budget_bytes)
     if not account.moments:
         return RelaxedSearchResult([], 0.0, True, 0)
     for phase, name, live in sorted(account.moments, key=lambda m: -m[2])[:max_moments]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 from planner.costgraph import CostGraph, CostNode, Storage
+from planner.rerun import rerun_cost
+from planner.simulate import simulate
 
 MIB = 2**20
 
@@ -112,3 +114,38 @@ def mlp_blocks(blocks: int) -> CostGraph:
         prev_key = add(f"add{b}", (f"down{b}", prev), MIB, (), 0.2)
         prev = f"add{b}"
     return CostGraph(tuple(nodes), tuple(storages), output_names=(prev,))
+
+
+def all_run_sets(n: int):
+    """Every set of disjoint runs of consecutive positions in 0..n-1."""
+    if n == 0:
+        yield []
+        return
+
+    def from_position(i: int):
+        if i >= n:
+            yield []
+            return
+        yield from from_position(i + 1)
+        for j in range(i, n):
+            for rest in from_position(j + 1):
+                yield [(i, j), *rest]
+
+    yield from from_position(0)
+
+
+def brute_force(g: CostGraph, budget: int, objective: str = "time") -> tuple[float | None, int | None]:
+    """Least recompute time (``objective="flops"``: FLOPs) over every plan of segments that
+    fits ``budget`` (None when none does), and the smallest peak of any plan."""
+    compute = list(g.compute_nodes)
+    best_cost, min_peak = None, None
+    for runs in all_run_sets(len(compute)):
+        segments = [[n.name for n in compute[a : b + 1]] for a, b in runs]
+        if any(not n.recomputable for seg in segments for n in map(g.node, seg)):
+            continue
+        peak = simulate(g, segments).peak_bytes
+        min_peak = peak if min_peak is None else min(min_peak, peak)
+        if peak <= budget:
+            cost = sum(rerun_cost(g, seg)[0 if objective == "time" else 1] for seg in segments)
+            best_cost = cost if best_cost is None else min(best_cost, cost)
+    return best_cost, min_peak

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphs import MIB, chain, mlp_blocks, random_dag
+from graphs import MIB, brute_force, chain, mlp_blocks, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
 from planner.pipeline import plan_for_budget
 from planner.relaxation import search_cheapest
@@ -192,38 +192,6 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     assert any("stopped at its time limit" in r.getMessage() for r in caplog.records)
 
 
-def _all_run_sets(n: int):
-    """Every set of disjoint runs of consecutive positions in 0..n-1."""
-    if n == 0:
-        yield []
-        return
-
-    def from_position(i: int):
-        if i >= n:
-            yield []
-            return
-        yield from from_position(i + 1)
-        for j in range(i, n):
-            for rest in from_position(j + 1):
-                yield [(i, j), *rest]
-
-    yield from from_position(0)
-
-
-def _brute_force(g, budget):
-    """Least recompute time over every plan that fits, and the smallest peak of any plan."""
-    compute = list(g.compute_nodes)
-    best_cost, min_peak = None, None
-    for runs in _all_run_sets(len(compute)):
-        segments = [[n.name for n in compute[a : b + 1]] for a, b in runs]
-        peak = simulate(g, segments).peak_bytes
-        min_peak = peak if min_peak is None else min(min_peak, peak)
-        if peak <= budget:
-            cost = sum(rerun_cost(g, seg)[0] for seg in segments)
-            best_cost = cost if best_cost is None else min(best_cost, cost)
-    return best_cost, min_peak
-
-
 def test_against_brute_force_on_random_dags_of_8_nodes():
     """Every plan fits, every feasible budget gets a plan, and every plan's cost is brute
     force's within the 1 % gap (before the optimistic account: 84 of 90, 57 with the ILP alone)."""
@@ -233,7 +201,7 @@ def test_against_brute_force_on_random_dags_of_8_nodes():
         unoptimized = simulate(g).peak_bytes
         for fraction in (0.6, 0.75, 0.9):
             budget = int(unoptimized * fraction)
-            best_cost, min_peak = _brute_force(g, budget)
+            best_cost, min_peak = brute_force(g, budget)
             cases += 1
             try:
                 plan = solve(g, budget)
@@ -289,7 +257,7 @@ def test_lower_bound_never_exceeds_brute_force_or_the_planner():
         for fraction in (0.6, 0.75, 0.9):
             budget = int(unoptimized * fraction)
             bound = recompute_lower_bound_ms(g, budget)
-            best_cost, _ = _brute_force(g, budget)
+            best_cost, _ = brute_force(g, budget)
             if best_cost is None:
                 continue
             assert bound <= best_cost + 1e-9
