@@ -17,6 +17,7 @@ from typing import Any
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, SolverError, TraceError
 from planner.plan import Plan, Segment
+from planner.reach import RecomputeBound, recompute_bound
 from planner.simulate import SimulationResult, simulate
 from planner.solve import available_solvers, minimum_peak_plan, solve
 
@@ -28,6 +29,7 @@ __all__ = [
     "Plan",
     "PlannerError",
     "ProfileError",
+    "RecomputeBound",
     "Segment",
     "SimulationResult",
     "SolverError",
@@ -36,6 +38,7 @@ __all__ = [
     "available_solvers",
     "minimum_peak_plan",
     "optimize",
+    "recompute_bound",
     "simulate",
     "solve",
 ]

@@ -1,7 +1,8 @@
 """What checkpointing buys on one profiled model: the data behind ``ckpt-planner report``.
 
 ``build_report`` gathers the unoptimized peak and where it happens, the plan at the budget,
-the largest saved activations by node and by module, and optionally a sweep's Pareto front;
+the largest saved activations by node and by module, and optionally a sweep's Pareto front and
+a proven lower bound on the recompute time of every plan at the budget (:mod:`planner.reach`);
 ``render`` writes it as a terminal table, markdown, JSON or CSV. Standard library only
 (pandas for CSV).
 
@@ -25,12 +26,15 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.costgraph import CostGraph
 from planner.plan import Plan
 from planner.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
+
+if TYPE_CHECKING:  # pragma: no cover
+    from planner.reach import RecomputeBound
 
 __all__ = ["Report", "build_report", "render", "REPORT_FORMATS"]
 
@@ -52,6 +56,8 @@ class Report:
     top_nodes: list[tuple[str, str, str, int]]
     top_modules: list[tuple[str, int]]
     pareto: list[Plan] = field(default_factory=list)
+    #: the least recompute time any plan of segments fitting the budget needs (None: not asked)
+    bound: RecomputeBound | None = None
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,6 +87,12 @@ class Report:
             ],
             "largest_activations_by_module": [{"module": m, "saved_bytes": b} for m, b in self.top_modules],
             "pareto": [_plan_dict(p) for p in self.pareto],
+            "lower_bound": None if self.bound is None else {
+                "recompute_ms": None if self.bound.proven_infeasible else self.bound.bound,
+                "proven_infeasible": self.bound.proven_infeasible,
+                "method": self.bound.method,
+                "solve_s": self.bound.solve_s,
+            },
         }
 
 
@@ -105,8 +117,10 @@ def build_report(
     model_name: str = "model",
     sweep_plans: Sequence[Plan] = (),
     top: int = 10,
+    bound: RecomputeBound | None = None,
 ) -> Report:
-    """Gather the report for ``plan`` (made from ``graph``) and an optional sweep."""
+    """Gather the report for ``plan`` (made from ``graph``), an optional sweep and an optional
+    lower bound (:func:`planner.reach.recompute_bound` at the plan's budget)."""
     unoptimized = simulate(graph)
     planned = simulate(graph, [s.node_names for s in plan.segments])
     saved = graph.saved_bytes_by_node()
@@ -134,6 +148,7 @@ def build_report(
         top_nodes=[(n, graph.node(n).op, graph.node(n).module, b) for n, b in ranked],
         top_modules=sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0].count("."), kv[0]))[:top],
         pareto=pareto_front(sweep_plans) if sweep_plans else [],
+        bound=bound,
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
 
@@ -158,6 +173,8 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["extra time", f"{plan.recompute_ms:.1f} ms per step ({plan.overhead_ratio:.1%} of {plan.step_ms:.1f} ms)"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
     ]
+    if report.bound is not None:
+        summary.append(["least possible extra time", _bound_text(report.bound, plan)])
     tables = [("Summary", ["", ""], summary)]
     if plan.segments:
         tables.append(("Recomputed segments", ["#", "first node", "last node", "nodes", "time"], [
@@ -177,6 +194,15 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
             for p in report.pareto
         ]))
     return tables
+
+
+def _bound_text(bound: RecomputeBound, plan: Plan) -> str:
+    if bound.proven_infeasible:
+        return f"no plan of segments fits the budget ({bound.method})"
+    share = f" ({bound.bound / plan.step_ms:.1%})" if plan.step_ms > 0 else ""
+    within = (f"; this plan costs {plan.recompute_ms / bound.bound - 1:.1%} more" if bound.bound > 0
+              else "")
+    return f"{bound.bound:.1f} ms{share} by any plan of segments{within} ({bound.method})"
 
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:

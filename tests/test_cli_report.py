@@ -199,3 +199,20 @@ def test_exact_flag_proves_or_improves_the_plan_on_a_larger_graph(saved):
     assert default["segment_count"] >= 1
     assert exact["recompute_ms"] <= default["recompute_ms"] + 1e-9
     assert exact["optimality_gap"] is not None
+
+
+def test_bound_flag_reports_the_least_possible_recompute_below_the_plan(saved):
+    """``--bound-s`` adds the proven least recompute time of any plan of segments at the budget:
+    positive (the budget needs recompute), at most the plan's, and shown in the text summary."""
+    root, _, _ = saved
+    result = cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json", "--bound-s", "20")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    bound = report["lower_bound"]
+    assert bound["proven_infeasible"] is False and bound["method"]
+    assert 0 < bound["recompute_ms"] <= report["plan"]["recompute_ms"] + 1e-9
+    text = cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--bound-s", "20")
+    assert text.returncode == 0, text.stderr
+    assert "least possible extra time" in text.stdout and "by any plan of segments" in text.stdout
+    plain = json.loads(cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json").stdout)
+    assert plain["lower_bound"] is None

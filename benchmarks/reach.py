@@ -1,0 +1,170 @@
+"""Which quality bars any plan of segments could meet: proven lower bounds at the quality targets.
+
+For each model of ``benchmarks/quality.py``: the unoptimized peak and checkpoint-every-layer's
+peak measured at the allocator, one profile, and at each target (every-layer's peak, and 50 %
+of the unoptimized peak) the planner's plan (``plan_for_budget``, as ``optimize`` plans) and
+``planner.reach.recompute_bound``: the least recompute any plan of segments fitting the budget
+needs by the profile's account (time, and at every-layer's peak FLOPs too), proven by HiGHS
+on the optimistic account over every compute node. Bars in the profile's terms:
+
+* 50 %: the bound over the profiled step must not exceed 10 %;
+* every-layer's peak: the time bound must not exceed 60 % of every-layer's own recompute time,
+  and the FLOP bound 70 % of its recomputed FLOPs (both priced by ``planner.rerun`` on the
+  same profile; every-layer's segments are the layers' recomputable nodes).
+
+A bound above the bar means no plan of segments meets it by the profile's account: the node
+times, which the recompute benchmark matches within a few percent, and the simulator's memory,
+which matches the allocator within 2 % (README). It says nothing of plans with kept outputs.
+
+    python benchmarks/reach.py [--models gpt2 llama bert mlp gpt2_768] [--time-limit-s 90] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, write_readme_section
+from quality import MODELS
+
+from planner import InfeasibleBudgetError, optimize
+from planner.costgraph import CostGraph, protect_reads_before_writes
+from planner.pipeline import plan_for_budget
+from planner.reach import RecomputeBound, recompute_bound
+from planner.rerun import rerun_cost
+from profiling import StepInputs, measure_step_peak_bytes
+
+log = logging.getLogger("reach")
+
+README_BEGIN = "<!-- benchmarks/reach.py --readme: begin -->"
+README_END = "<!-- benchmarks/reach.py --readme: end -->"
+
+
+@dataclasses.dataclass
+class TargetRow:
+    model: str
+    target: str
+    budget_bytes: int
+    step_ms: float
+    #: the planner's plan (None: it found none at this budget)
+    plan_ms: float | None
+    plan_flops: int | None
+    time_bound: RecomputeBound
+    flops_bound: RecomputeBound | None
+    every_ms: float
+    every_flops: int
+
+
+def every_layer_segments(graph: CostGraph, layers_name: str) -> list[list[str]]:
+    """Checkpoint-every-layer as a plan: each layer's recomputable nodes, in order."""
+    layers: dict[str, list[str]] = {}
+    prefix = f"{layers_name}."
+    for node in graph.compute_nodes:
+        if node.module.startswith(prefix) and node.recomputable:
+            layers.setdefault(node.module[len(prefix):].split(".")[0], []).append(node.name)
+    return list(layers.values())
+
+
+def run_model(name: str, time_limit_s: float, cache_dir: str) -> list[TargetRow]:
+    model, example = MODELS[name][1]()
+    inputs = StepInputs.from_example(example)
+    layers_name, _ = find_layers(model)
+    base_peak = measure_step_peak_bytes(model, inputs)
+    every_peak = measure_step_peak_bytes(checkpoint_every_k(model, 1), inputs)
+    graph = optimize(model, example, budget_gb=4 * base_peak / GIB, cache_dir=cache_dir).cost_graph
+    protected = protect_reads_before_writes(graph)
+    every = [rerun_cost(graph, seg) for seg in every_layer_segments(graph, layers_name)]
+    every_ms, every_flops = sum(ms for ms, _ in every), sum(flops for _, flops in every)
+    rows = []
+    for target, budget in (("every-layer peak", every_peak), ("50 %", base_peak // 2)):
+        try:
+            plan = plan_for_budget(graph, budget / GIB)
+            plan_ms, plan_flops = plan.recompute_ms, plan.recompute_flops
+        except InfeasibleBudgetError:
+            plan_ms = plan_flops = None
+        time_bound = recompute_bound(protected, budget, time_limit_s=time_limit_s)
+        flops_bound = (recompute_bound(protected, budget, objective="flops", time_limit_s=time_limit_s)
+                       if target == "every-layer peak" else None)
+        rows.append(TargetRow(name, target, budget, graph.step_ms, plan_ms, plan_flops, time_bound, flops_bound,
+                              every_ms, every_flops))
+        log.info("%s %s: plan %s ms, bound %.1f ms (%s, %.0f s)", name, target, plan_ms, time_bound.bound,
+                 time_bound.method, time_bound.solve_s)
+    return rows
+
+
+def _share(value: float | None, of: float) -> str:
+    if value is None:
+        return "no plan"
+    return "infeasible" if math.isinf(value) else f"{value / of:.1%}"
+
+
+def verdicts(row: TargetRow) -> str:
+    """Whether each bar is out of reach of every plan of segments by the profile's account."""
+    def said(out: bool) -> str:
+        return "out of reach" if out else "not excluded"
+
+    if row.time_bound.proven_infeasible:
+        return "no plan of segments fits the budget"
+    if row.target == "50 %":
+        return f"time: {said(row.time_bound.bound > 0.10 * row.step_ms)}"
+    assert row.flops_bound is not None
+    return (f"time: {said(row.time_bound.bound > 0.6 * row.every_ms)}; "
+            f"FLOPs: {said(row.flops_bound.bound > 0.7 * row.every_flops)}")
+
+
+def markdown(rows: list[TargetRow], time_limit_s: float, wall_s: float) -> str:
+    lines = [
+        f"CPU, torch {torch.__version__}, HiGHS time limit {time_limit_s:g} s per bound, wall time {wall_s / 60:.1f} min.",
+        "",
+        "| model | target | budget | plan: time / step | bound: time / step | plan / bound | bound / every-layer's time "
+        "(bar 60 %) | bound / every-layer's FLOPs (bar 70 %) | how the time bound was proven | bars |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        bound = r.time_bound.bound
+        ratio = (f"{r.plan_ms / bound:.2f}" if r.plan_ms is not None and 0 < bound < math.inf else "-")
+        every_time = _share(bound, r.every_ms) if r.target != "50 %" else "-"
+        every_flops = (_share(r.flops_bound.bound, r.every_flops) if r.flops_bound is not None else "-")
+        lines.append(
+            f"| {r.model} | {r.target} | {r.budget_bytes / MIB:.1f} MiB | {_share(r.plan_ms, r.step_ms)} "
+            f"| {_share(bound, r.step_ms)} | {ratio} | {every_time} | {every_flops} | {r.time_bound.method} "
+            f"| {verdicts(r)} |")
+    lines.append("")
+    lines.append("Models as in the quality table. Times in the profile's terms (summed node times over the "
+                 "profiled step); the plan is the planner's default (segments only, 1 % safety margin).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--time-limit-s", type=float, default=90.0, help="HiGHS time limit of each bound")
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    args = parser.parse_args()
+    benchmark_logging()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    rows: list[TargetRow] = []
+    with tempfile.TemporaryDirectory(prefix="reach-profiles-") as cache_dir:
+        for name in args.models:
+            rows.extend(run_model(name, args.time_limit_s, cache_dir))
+            log.info("%s done at %.0f s", name, time.perf_counter() - started)
+    text = markdown(rows, args.time_limit_s, time.perf_counter() - started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "reach.md").write_text(text)
+    print(text)
+    if args.readme:
+        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+
+
+if __name__ == "__main__":
+    main()
