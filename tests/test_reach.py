@@ -136,3 +136,13 @@ def test_a_graph_with_only_unrecomputable_nodes_is_infeasible_below_its_peak():
     g = CostGraph(nodes, (Storage(0, MIB, True), Storage(1, MIB)), ("a",))
     found = recompute_bound(g, simulate(g).peak_bytes - 1)
     assert found.proven_infeasible
+
+
+@needs_highs
+def test_without_presolve_the_bound_is_the_same_on_a_small_graph():
+    g = mlp_blocks(3)
+    budget = int(simulate(g).peak_bytes * 0.7)
+    with_presolve = recompute_bound(g, budget)
+    without = recompute_bound(g, budget, presolve=False)
+    assert without.method == with_presolve.method
+    assert abs(without.bound - with_presolve.bound) <= MIP_GAP * with_presolve.bound + 1e-9
