@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -49,7 +48,7 @@ from planner.errors import InputError
 from planner.highs import PlannerHiGHS
 from planner.relaxation import OptimisticAccount
 from planner.simulate import simulate
-from planner.solve import MIP_GAP, available_solvers
+from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 from planner.stages import build_stages
 
 __all__ = ["RecomputeBound", "recompute_bound"]
@@ -123,9 +122,9 @@ def recompute_bound(
     if not time_limit_s > 0:
         raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
     started = time.perf_counter()
-    cheap = recompute_lower_bound_ms(graph, budget_bytes) if objective == "time" else 0.0
     if simulate(graph).peak_bytes <= budget_bytes:
         return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0)
+    cheap = recompute_lower_bound_ms(graph, budget_bytes) if objective == "time" else 0.0
     if math.isinf(cheap):
         return RecomputeBound(objective, budget_bytes, math.inf, None, "knapsack", True,
                               time.perf_counter() - started)
@@ -174,13 +173,7 @@ def _milp_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool) -> tu
 
 def _lp_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[float, bool, str]:
     """The optimum of ``prob``'s LP relaxation (CBC): ``(bound, infeasible, method)``."""
-    relaxed = prob.deepcopy()
-    for var in relaxed.variables():
-        var.cat = pulp.LpContinuous
-    with warnings.catch_warnings():  # PuLP 3.x deprecates its bundled CBC's class, not the solver
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    relaxed.solve(cbc)
+    relaxed = solved_lp_relaxation(prob, time_limit_s)
     if relaxed.status == pulp.LpStatusInfeasible:
         return math.inf, True, "LP relaxation infeasible (CBC)"
     if relaxed.status != pulp.LpStatusOptimal:

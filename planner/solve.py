@@ -203,6 +203,16 @@ def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: 
         return others[0]
 
 
+def solved_lp_relaxation(prob: pulp.LpProblem, time_limit_s: float = 0.0) -> pulp.LpProblem:
+    """A copy of ``prob`` with every variable continuous, solved by CBC (0: no time limit);
+    its optimum, when its status is optimal, bounds ``prob``'s from below."""
+    relaxed = prob.deepcopy()
+    for var in relaxed.variables():
+        var.cat = pulp.LpContinuous
+    relaxed.solve(_cbc(time_limit_s))
+    return relaxed
+
+
 def _proven_gap(prob: pulp.LpProblem, name: str, objective: float, hit_time_limit: bool) -> float | None:
     """Relative gap between ``objective`` and the solver's best bound (HiGHS reports it; for CBC
     a time-limited solve is bounded by the LP relaxation, an optimal one by the requested gap)."""
@@ -211,10 +221,7 @@ def _proven_gap(prob: pulp.LpProblem, name: str, objective: float, hit_time_limi
         return gap if math.isfinite(gap) else None
     if not hit_time_limit:
         return MIP_GAP
-    relaxed = prob.deepcopy()
-    for var in relaxed.variables():
-        var.cat = pulp.LpContinuous
-    relaxed.solve(_cbc(0))
+    relaxed = solved_lp_relaxation(prob)
     bound = pulp.value(relaxed.objective)
     if relaxed.status != pulp.LpStatusOptimal or bound is None or objective <= 0:
         return None
