@@ -10,11 +10,16 @@ cheapest one that fits the budget, and so is any bound a MILP solver proves on t
 HiGHS's dual bound (valid when it stops at its time limit too), or with CBC the optimum of
 the LP relaxation. An infeasible account proves that no plan fits at all.
 
-The bound holds for plans of segments priced as :mod:`planner.rerun` prices them, in the
-profile's node times (time) or ``FlopCounterMode``'s FLOPs (flops), and measured against the
-simulator's memory account (which the README validates against the allocator). It does not
-cover plans with kept outputs (``selective=True``): a kept node inside a segment can hold
-less than any split of that segment, so such a plan may cost less than the bound.
+By default the account also chooses, node by node, which outputs a segment keeps from the
+forward (:mod:`planner.kept_account`), so the bound covers every plan the planner emits, with
+``selective=True`` too: a kept node inside a segment can hold less than any split of that
+segment, so such a plan may cost less than the best plan of whole segments.
+``kept_outputs=False`` bounds plans of whole segments only (a smaller model, a higher bound).
+
+The bound holds for plans priced as :mod:`planner.rerun` and :func:`planner.keep.segment_with_kept`
+price them, in the profile's node times (time, with the selective policy's cost) or
+``FlopCounterMode``'s FLOPs (flops), and measured against the simulator's memory account
+(which the README validates against the allocator).
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -46,6 +51,8 @@ from planner.bounds import recompute_lower_bound_ms
 from planner.costgraph import CostGraph
 from planner.errors import InputError
 from planner.highs import PlannerHiGHS
+from planner.keep import segment_with_kept
+from planner.kept_account import KeptOutputsAccount
 from planner.relaxation import OptimisticAccount
 from planner.simulate import simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
@@ -60,7 +67,7 @@ OBJECTIVES = ("time", "flops")
 
 @dataclass(frozen=True)
 class RecomputeBound:
-    """A proven lower bound on the recompute of every plan of segments that fits a budget.
+    """A proven lower bound on the recompute of every plan that fits a budget.
 
     ``bound`` is in ms (objective ``"time"``) or FLOPs (``"flops"``); ``inf`` when no plan fits
     (``proven_infeasible``), 0 when the unoptimized step fits. ``best_plan`` is the cost of the
@@ -93,9 +100,11 @@ def recompute_bound(
     solver: str | None = None,
     max_moments: int = 256,
     presolve: bool = True,
+    kept_outputs: bool = True,
 ) -> RecomputeBound:
-    """The least recompute time (ms) or FLOPs that any plan of segments fitting ``budget_bytes``
-    needs, proven by the optimistic account over every compute node (module docstring).
+    """The least recompute time (ms) or FLOPs that any plan fitting ``budget_bytes`` needs
+    (with ``kept_outputs``, plans that keep outputs inside their segments too), proven by the
+    optimistic account over every compute node (module docstring).
 
     With HiGHS (the default where installed) the account is solved as a MILP for up to
     ``time_limit_s`` and its best bound is read; with ``solver="CBC"`` its LP relaxation is
@@ -129,23 +138,25 @@ def recompute_bound(
         return RecomputeBound(objective, budget_bytes, math.inf, None, "knapsack", True,
                               time.perf_counter() - started)
     stages = build_stages(graph, max_stages=len(graph.compute_nodes))
-    account = OptimisticAccount(graph, stages, budget_bytes)
+    account = (KeptOutputsAccount if kept_outputs else OptimisticAccount)(graph, stages, budget_bytes)
     for phase, name, live in sorted(account.moments, key=lambda m: -m[2])[:max_moments]:
         account.add_moment(phase, name, live)
     price = account.run_ms if objective == "time" else account.run_flops
-    account.prob.setObjective(pulp.lpSum(v * price[run] for run, v in account.y.items()))
-    log.info("optimistic account over %d stages: %d candidate segments, %d moments, built in %.1f s",
-             len(stages), len(account.y), len(account.constrained), time.perf_counter() - started)
+    if isinstance(account, KeptOutputsAccount):
+        kept_price = account.kept_time_ms if objective == "time" else account.kept_flops
+        account.prob.setObjective(account.cost_expression(price, kept_price, policy=objective == "time"))
+    else:
+        account.prob.setObjective(pulp.lpSum(v * price[run] for run, v in account.y.items()))
+    log.info("optimistic account over %d stages: %d candidate segments, %d keepable nodes, %d moments, "
+             "%d variables, built in %.1f s", len(stages), len(account.y), len(getattr(account, "x", ())),
+             len(account.constrained), account.prob.numVariables(), time.perf_counter() - started)
     use_highs = solver != "CBC" and "HiGHS" in available_solvers()
     proven, infeasible, method = (_milp_bound(account.prob, time_limit_s, presolve) if use_highs
                                   else _lp_bound(account.prob, time_limit_s))
     best = None
     if use_highs and not infeasible and account.prob.sol_status in (pulp.LpSolutionOptimal,
                                                                     pulp.LpSolutionIntegerFeasible):
-        runs = sorted(r for r, v in account.y.items() if (v.value() or 0) > 0.5)
-        segments = [[n for st in stages[a : b + 1] for n in st.node_names] for a, b in runs]
-        if simulate(graph, segments).peak_bytes <= budget_bytes:
-            best = float(sum(price[r] for r in runs))
+        best = _solution_cost(graph, account, objective)
     if infeasible:
         bound = math.inf
     else:
@@ -153,6 +164,17 @@ def recompute_bound(
         if cheap > proven:
             method = "knapsack"
     return RecomputeBound(objective, budget_bytes, bound, best, method, infeasible, time.perf_counter() - started)
+
+
+def _solution_cost(graph: CostGraph, account: OptimisticAccount, objective: str) -> float | None:
+    """The cost of the plan in ``account``'s solution, if the simulator fits it in the budget."""
+    runs = sorted(r for r, v in account.y.items() if (v.value() or 0) > 0.5)
+    kept = set(account.chosen_kept()) if isinstance(account, KeptOutputsAccount) else set()
+    segments = [segment_with_kept(graph, [n for st in account.stages[a : b + 1] for n in st.node_names], kept)
+                for a, b in runs]
+    if simulate(graph, segments).peak_bytes > account.budget_bytes:
+        return None
+    return float(sum(s.recompute_ms if objective == "time" else s.recompute_flops for s in segments))
 
 
 def _milp_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool) -> tuple[float, bool, str]:

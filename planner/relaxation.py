@@ -136,6 +136,8 @@ class OptimisticAccount:
                 for k in values[name]:
                     self.reader_stages.setdefault(k, []).append(j)
         self.stage_of_made = {k: self._stage_at(p) for k, p in self.made_at.items()}
+        #: storages something may hold past their unoptimized lifetime (a subclass adds to it)
+        self.holdable: set[int] = set(self.reader_stages)
 
         unoptimized = simulate(graph)
         self.moments = [(phase, name, live) for phase, name, live in unoptimized.timeline if live > budget_bytes]
@@ -230,6 +232,12 @@ class OptimisticAccount:
         self._held[key] = v
         return v
 
+    def _holds(self, k: int, phase: str, position: int, stage: int) -> list[tuple[str, pulp.LpVariable]]:
+        """What may hold storage ``k`` at a moment beyond the unoptimized step, each ``(reason,
+        variable at least 1 when it holds)``: here a segment that has it as an input."""
+        held = self._held_var(k, stage)
+        return [] if held is None else [("input", held)]
+
     def _live_unoptimized(self, k: int, phase: str, position: int) -> bool:
         if k in self.returned:
             return True
@@ -256,11 +264,12 @@ class OptimisticAccount:
                 if count == 0:
                     continue
             credit = self._freed_var(k, count)
-            held = self._held_var(k, stage)
-            if held is not None:
+            holds = self._holds(k, phase, q, stage)
+            if holds:
                 limited = self._var(f"freed_{k}_at_moment_{index}", lowBound=0, upBound=1)
                 self.prob += limited <= credit, f"freed_{k}_at_moment_{index}_by_savers"
-                self.prob += limited <= 1 - held, f"freed_{k}_at_moment_{index}_unless_input"
+                for why, hold in holds:
+                    self.prob += limited <= 1 - hold, f"freed_{k}_at_moment_{index}_unless_{why}"
                 credit = limited
             freed.append(self.size[k] * credit)
         added = []
@@ -279,11 +288,16 @@ class OptimisticAccount:
                 extra += running_bytes[upto - 1] if upto else 0
             if extra:
                 added.append(extra * v)
-        for k in self.reader_stages:
+        for k in self.holdable:
             if k in self.made_at and not self._live_unoptimized(k, phase, q):
-                held = self._held_var(k, stage)
-                if held is not None:
-                    added.append(self.size[k] * held)
+                holds = self._holds(k, phase, q, stage)
+                if len(holds) == 1:
+                    added.append(self.size[k] * holds[0][1])
+                elif holds:  # held while any of them holds it
+                    either = self._var(f"held_{k}_at_moment_{index}", lowBound=0, upBound=1)
+                    for why, hold in holds:
+                        self.prob += either >= hold, f"held_{k}_at_moment_{index}_as_{why}"
+                    added.append(self.size[k] * either)
         self.prob += (pulp.lpSum(freed) - pulp.lpSum(added) >= live_bytes - self.budget_bytes,
                       f"fits_at_{phase}_of_{name}")
 

@@ -268,7 +268,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
         for k in set(node.saved_storages) - persistent:
             if s is None:
                 mem.release(k)
-            else:
+            elif s in recomputed:  # before its recompute, a segment's nodes hold nothing they saved
                 mem.release(k if k in cached[s] else ("recomputed", k))
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from planner.costgraph import CostGraph, CostNode, Storage
-from planner.rerun import rerun_cost
+from planner.keep import keepable_in_segment, segment_with_kept
 from planner.simulate import simulate
 
 MIB = 2**20
@@ -134,18 +135,28 @@ def all_run_sets(n: int):
     yield from from_position(0)
 
 
-def brute_force(g: CostGraph, budget: int, objective: str = "time") -> tuple[float | None, int | None]:
+def brute_force(g: CostGraph, budget: int, objective: str = "time",
+                kept_outputs: bool = False) -> tuple[float | None, int | None]:
     """Least recompute time (``objective="flops"``: FLOPs) over every plan of segments that
-    fits ``budget`` (None when none does), and the smallest peak of any plan."""
+    fits ``budget`` (None when none does), and the smallest peak of any plan. With
+    ``kept_outputs``, every subset of each segment's keepable nodes is tried too (the
+    selective policy's cost included, as :func:`planner.keep.segment_with_kept` prices it)."""
     compute = list(g.compute_nodes)
     best_cost, min_peak = None, None
     for runs in all_run_sets(len(compute)):
-        segments = [[n.name for n in compute[a : b + 1]] for a, b in runs]
-        if any(not n.recomputable for seg in segments for n in map(g.node, seg)):
+        names = [[n.name for n in compute[a : b + 1]] for a, b in runs]
+        if any(not n.recomputable for seg in names for n in map(g.node, seg)):
             continue
-        peak = simulate(g, segments).peak_bytes
-        min_peak = peak if min_peak is None else min(min_peak, peak)
-        if peak <= budget:
-            cost = sum(rerun_cost(g, seg)[0 if objective == "time" else 1] for seg in segments)
-            best_cost = cost if best_cost is None else min(best_cost, cost)
+        choices = [_subsets(keepable_in_segment(g, seg)) if kept_outputs else [()] for seg in names]
+        for kept in itertools.product(*choices):
+            segments = [segment_with_kept(g, seg, set(k)) for seg, k in zip(names, kept)]
+            peak = simulate(g, segments).peak_bytes
+            min_peak = peak if min_peak is None else min(min_peak, peak)
+            if peak <= budget:
+                cost = sum(s.recompute_ms if objective == "time" else s.recompute_flops for s in segments)
+                best_cost = cost if best_cost is None else min(best_cost, cost)
     return best_cost, min_peak
+
+
+def _subsets(names: list[str]) -> list[tuple[str, ...]]:
+    return [c for r in range(len(names) + 1) for c in itertools.combinations(names, r)]

@@ -221,6 +221,30 @@ def test_selective_segment_keeps_matmul_outputs_and_recomputes_the_rest():
         ("mm1", 14 * MIB), ("relu", 18 * MIB), ("mm2", 18 * MIB)]
 
 
+def test_a_kept_output_stays_held_until_its_segments_recompute():
+    """A later node of the segment that saves the kept output but never runs backward (its
+    output does not reach the loss) releases nothing before the recompute: the kept output is
+    still there when the kept node's backward needs it (it used to be freed there)."""
+    storages = [Storage(0, MIB, True), Storage(1, 4 * MIB), Storage(2, MIB), Storage(3, MIB)]
+    nodes = (
+        CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        CostNode("a", "op", input_names=("x",), output_storages=(1,), saved_storages=(1,),
+                 output_bytes=4 * MIB, requires_grad=True, time_ms=5.0, selective_save=True),
+        CostNode("side", "op", input_names=("a",), output_storages=(2,), saved_storages=(1,),
+                 output_bytes=MIB, time_ms=1.0),  # does not reach the loss: no backward
+        CostNode("out", "op", input_names=("a",), output_storages=(3,), output_bytes=MIB,
+                 requires_grad=True, time_ms=1.0),
+    )
+    g = CostGraph(nodes, tuple(storages), output_names=("out", "side"), loss_names=("out",))
+    from planner.plan import Segment
+
+    result = simulate(g, [Segment(("a", "side"), 0.0, 0, kept_nodes=("a",))])
+    at_a = [b for phase, n, b in result.timeline if (phase, n) == ("backward", "a")]
+    # x 1, a's output 4 (kept, then saved by a's recompute), side's output 1 (returned),
+    # out's gradient 1, a's output gradient 4
+    assert at_a == [(1 + 4 + 1 + 1 + 4) * MIB]
+
+
 def test_kept_outputs_only_lower_the_cost_and_stay_within_budget():
     """The op-level pass starts from the ILP's plan, so per graph it can only save time."""
     found = 0
