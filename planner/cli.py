@@ -9,7 +9,7 @@
 directory, or, with ``--trust-pickle``, a whole pickled module), profiles one training step and
 reports the unoptimized peak, the plan at the budget, the largest activations and, with
 ``--sweep``, the memory/overhead Pareto front, and with ``--bound-s`` the least recompute time
-any plan of segments needs at the budget (:mod:`planner.reach`). ``plan`` does the same planning for a Python
+any plan needs at the budget (:mod:`planner.reach`). ``plan`` does the same planning for a Python
 entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
 
 Exit codes: 0 plan found, 2 usage or input error, 3 budget infeasible (the message names the
@@ -223,8 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--format", choices=("text", "json", "csv", "markdown"), default="text")
     report.add_argument("--plot", metavar="FILE.png", help="draw memory over the step (and the Pareto front)")
     report.add_argument("--bound-s", type=float, default=0.0, metavar="SECONDS",
-                        help="also prove the least recompute time any plan of segments needs at the budget, "
-                             "solving for up to SECONDS (HiGHS); says how far the plan can be from the best")
+                        help="also prove the least recompute time any plan (kept outputs included) needs at "
+                             "the budget, solving for up to SECONDS (HiGHS); says how far the plan can be from "
+                             "the best")
     report.add_argument("--target", dest="target_device", metavar="DEVICE",
                         help="plan for another device without running there: profile on fake tensors (bytes "
                              "from shapes, nothing allocated) and time ops with DEVICE's roofline "

@@ -82,6 +82,8 @@ class RecomputeBound:
     method: str
     proven_infeasible: bool
     solve_s: float
+    #: the bound covers plans with kept outputs too (else plans of whole segments only)
+    kept_outputs: bool = True
 
     @property
     def gap(self) -> float | None:
@@ -132,11 +134,11 @@ def recompute_bound(
         raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
     started = time.perf_counter()
     if simulate(graph).peak_bytes <= budget_bytes:
-        return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0)
+        return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0, kept_outputs)
     cheap = recompute_lower_bound_ms(graph, budget_bytes) if objective == "time" else 0.0
     if math.isinf(cheap):
         return RecomputeBound(objective, budget_bytes, math.inf, None, "knapsack", True,
-                              time.perf_counter() - started)
+                              time.perf_counter() - started, kept_outputs)
     stages = build_stages(graph, max_stages=len(graph.compute_nodes))
     account = (KeptOutputsAccount if kept_outputs else OptimisticAccount)(graph, stages, budget_bytes)
     for phase, name, live in sorted(account.moments, key=lambda m: -m[2])[:max_moments]:
@@ -163,7 +165,8 @@ def recompute_bound(
         bound = max(proven, cheap)
         if cheap > proven:
             method = "knapsack"
-    return RecomputeBound(objective, budget_bytes, bound, best, method, infeasible, time.perf_counter() - started)
+    return RecomputeBound(objective, budget_bytes, bound, best, method, infeasible, time.perf_counter() - started,
+                          kept_outputs)
 
 
 def _solution_cost(graph: CostGraph, account: OptimisticAccount, objective: str) -> float | None:

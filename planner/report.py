@@ -56,7 +56,7 @@ class Report:
     top_nodes: list[tuple[str, str, str, int]]
     top_modules: list[tuple[str, int]]
     pareto: list[Plan] = field(default_factory=list)
-    #: the least recompute time any plan of segments fitting the budget needs (None: not asked)
+    #: the least recompute time any plan fitting the budget needs (None: not asked)
     bound: RecomputeBound | None = None
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
 
@@ -197,12 +197,13 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def _bound_text(bound: RecomputeBound, plan: Plan) -> str:
+    plans = "plan" if bound.kept_outputs else "plan of segments"
     if bound.proven_infeasible:
-        return f"no plan of segments fits the budget ({bound.method})"
+        return f"no {plans} fits the budget ({bound.method})"
     share = f" ({bound.bound / plan.step_ms:.1%})" if plan.step_ms > 0 else ""
     within = (f"; this plan costs {plan.recompute_ms / bound.bound - 1:.1%} more" if bound.bound > 0
               else "")
-    return f"{bound.bound:.1f} ms{share} by any plan of segments{within} ({bound.method})"
+    return f"{bound.bound:.1f} ms{share} by any {plans}{within} ({bound.method})"
 
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
