@@ -49,7 +49,6 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Mapping
 
@@ -165,7 +164,7 @@ class KeptOutputsAccount(OptimisticAccount):
             # backward: held until the recompute, which runs at the segment's first saving node
             # (in reverse) that runs backward; not yet run at this moment when the segment ends
             # before the next such node
-            after = self._next_saving_backward(position)
+            after = self.next_saving_backward(position)
             if after <= p:
                 continue
             last = len(self.stages) - 1 if after >= len(self.pos) else self._stage_at(after) - 1
@@ -173,10 +172,6 @@ class KeptOutputsAccount(OptimisticAccount):
                 continue  # the segment over the node reaches that saving node
             holds.append((f"kept_by_{name}", self._not_recomputed_var(name, last)))
         return holds
-
-    def _next_saving_backward(self, position: int) -> int:
-        at = bisect.bisect_left(self.saving_backward, position)
-        return self.saving_backward[at] if at < len(self.saving_backward) else len(self.pos)
 
     def cost_expression(self, run_price: Mapping[tuple[int, int], float],
                         kept_price: Mapping[str, float], *, policy: bool = True) -> pulp.LpAffineExpression:
@@ -192,10 +187,6 @@ class KeptOutputsAccount(OptimisticAccount):
         if policy:
             total += pulp.lpSum(v * self.policy_ms[t] for t, v in self.selective.items() if self.policy_ms[t])
         return total
-
-    def chosen_runs(self) -> list[tuple[int, int]]:
-        """The segments of the last solution, as ``(first_stage, last_stage)``."""
-        return sorted(r for r, v in self.y.items() if (v.value() or 0) > 0.5)
 
     def chosen_kept(self) -> list[str]:
         """The kept nodes of the last solution, in graph order."""

@@ -171,7 +171,7 @@ def recompute_bound(
 
 def _solution_cost(graph: CostGraph, account: OptimisticAccount, objective: str) -> float | None:
     """The cost of the plan in ``account``'s solution, if the simulator fits it in the budget."""
-    runs = sorted(r for r, v in account.y.items() if (v.value() or 0) > 0.5)
+    runs = account.chosen_runs()
     kept = set(account.chosen_kept()) if isinstance(account, KeptOutputsAccount) else set()
     segments = [segment_with_kept(graph, [n for st in account.stages[a : b + 1] for n in st.node_names], kept)
                 for a, b in runs]

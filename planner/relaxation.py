@@ -238,6 +238,16 @@ class OptimisticAccount:
         held = self._held_var(k, stage)
         return [] if held is None else [("input", held)]
 
+    def next_saving_backward(self, position: int) -> int:
+        """The first node at or after ``position`` that saves something and runs backward (its
+        position; past the last node when none): where a segment over it has recomputed by then."""
+        at = bisect.bisect_left(self.saving_backward, position)
+        return self.saving_backward[at] if at < len(self.saving_backward) else len(self.pos)
+
+    def chosen_runs(self) -> list[Run]:
+        """The segments of the last solution, as ``(first_stage, last_stage)``."""
+        return sorted(r for r, v in self.y.items() if (v.value() or 0) > 0.5)
+
     def _live_unoptimized(self, k: int, phase: str, position: int) -> bool:
         if k in self.returned:
             return True
@@ -274,8 +284,7 @@ class OptimisticAccount:
             freed.append(self.size[k] * credit)
         added = []
         overhead = self.graph.segment_overhead_bytes
-        after = bisect.bisect_left(self.saving_backward, q)
-        next_saving = self.saving_backward[after] if after < len(self.saving_backward) else len(self.pos)
+        next_saving = self.next_saving_backward(q)
         for (a, b), v in self.y.items():
             if a > stage:
                 continue
@@ -349,7 +358,7 @@ def search_cheapest(
             break
         optimal = account.prob.sol_status == pulp.LpSolutionOptimal
         stopped = stopped or not optimal
-        runs = sorted(r for r, v in account.y.items() if (v.value() or 0) > 0.5)
+        runs = account.chosen_runs()
         cost = account.cost_ms(runs)
         if cost >= incumbent_ms - 1e-9:
             # the account's optimum (within the gap) costs as much: nothing over these stages is cheaper
