@@ -670,8 +670,9 @@ def solve(
 
     With ``selective``, nodes inside the recomputed segments may keep their outputs from the
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
-    :func:`planner.keep.keep_outputs` on the ILP's segments and on the finer segments of the
-    smallest-peak plan, whichever ends cheaper. Keeping costs the selective policy's dispatch
+    :func:`planner.keep.keep_outputs` on the selective ILP's segments, on the segments-only
+    plan's and on the finer segments of the smallest-peak plan, whichever ends cheapest; the
+    plan never costs more than the segments-only one. Keeping costs the selective policy's dispatch
     time on every node of a segment that keeps anything (``graph.selective_overhead_ms_per_node``);
     it is kept only where it saves more, and when it pays nowhere the plan is the segments-only one.
 
@@ -716,24 +717,26 @@ def solve(
         if fallback.predicted_peak_bytes > budget_bytes:
             if not selective:
                 raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
-            # the selective ILP (more binaries) can miss a budget the segments-only one meets;
-            # its plan is then where keeping starts
-            plan = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                         max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact)
+            plan = None  # the selective ILP (more binaries) can miss a budget the segments-only one meets
         else:
             # the fallback minimised the peak, so no gap on the recompute cost is known
             plan = dataclasses.replace(fallback, budget_bytes=budget_bytes, optimality_gap=None)
             plan = _refined(graph, plan, budget_bytes, refine_s, started)
     if selective:
-        plan = _with_kept_outputs(graph, plan, budget_bytes, fallback, max_stages=max_stages, solver=solver,
-                                  time_limit_s=time_limit_s, refine_s=refine_s, started=started)
-        if not any(s.kept_nodes for s in plan.segments):
-            # keeping pays nowhere (the policy costs more than it saves): the segments-only
-            # optimum is the answer, and the selective model's segments may not be it
+        # the segments-only optimum is a candidate and a start for keeping: the selective
+        # ILP's segments are not always as cheap (GPT-2 at every-layer's peak: 979 against 953 ms)
+        try:
             plain = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                          max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact)
-            if plain.recompute_ms < plan.recompute_ms:
-                plan = dataclasses.replace(plain, solve_s=time.perf_counter() - started)
+                          max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact, finer_s=finer_s)
+        except InfeasibleBudgetError:
+            if plan is None:
+                raise
+            plain = None
+        # when keeping pays nowhere (the policy costs more than it saves) this is the segments-only optimum
+        plan = _with_kept_outputs(graph, [p for p in (plan, plain) if p is not None], budget_bytes, fallback,
+                                  max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                  refine_s=refine_s)
+        plan = dataclasses.replace(plan, solve_s=time.perf_counter() - started)
     return plan
 
 
@@ -791,7 +794,7 @@ def _on_finer_stages(
 
 def _with_kept_outputs(
     graph: CostGraph,
-    plan: Plan,
+    plans: list[Plan],
     budget_bytes: int,
     fallback: Plan | None,
     *,
@@ -799,26 +802,25 @@ def _with_kept_outputs(
     solver: str | None,
     time_limit_s: float,
     refine_s: float,
-    started: float,
 ) -> Plan:
-    """The cheapest of ``plan`` and op-level keep decisions (:func:`planner.keep.keep_outputs`)
-    over two sets of segments: ``plan``'s, and the finer ones of the smallest-peak plan, whose
-    extra room below the budget is then filled with kept outputs."""
-    starts = [list(plan.segments)]
+    """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
+    on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
+    here when ``None``), whose extra room below the budget is then filled with kept outputs."""
     if fallback is None:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s)
+    starts = list(plans)
     if fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
-        starts.append(list(fallback.segments))
-    best = plan
-    for segments in starts:
-        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=max(refine_s, 1.0))
+        starts.append(fallback)
+    best = min(plans, key=lambda p: p.recompute_ms)
+    for start in starts:
+        kept = keep_outputs(graph, start.segments, budget_bytes, time_limit_s=max(refine_s, 1.0))
         cost = sum(s.recompute_ms for s in kept)
         if kept and cost < best.recompute_ms - 1e-9:
             peak = simulate(graph, kept).peak_bytes
-            best = dataclasses.replace(plan, segments=tuple(kept), predicted_peak_bytes=peak, optimality_gap=None,
-                                       solver=f"{plan.solver} + keep")
-    return dataclasses.replace(best, solve_s=time.perf_counter() - started)
+            best = dataclasses.replace(start, budget_bytes=budget_bytes, segments=tuple(kept),
+                                       predicted_peak_bytes=peak, optimality_gap=None, solver=f"{start.solver} + keep")
+    return best
 
 
 def _every_recomputable_run(graph: CostGraph) -> list[Segment]:
