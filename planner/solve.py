@@ -809,8 +809,9 @@ def _with_kept_outputs(
     refine_s: float,
 ) -> Plan:
     """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
-    on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
-    here when ``None``), whose extra room below the budget is then filled with kept outputs."""
+    on their segments, on the finer ones of the smallest-peak plan (``fallback``, solved here
+    when ``None``) and on every stage checkpointed alone (:data:`KEEP_START_STAGES`), each of
+    whose room below the budget is then filled with kept outputs."""
     if fallback is None:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s)
