@@ -12,8 +12,9 @@ Bars: at every-layer's peak, extra step time at most 60 % of every-layer's extra
 extra FLOPs at most 70 % of its extra FLOPs; at 50 %, extra step time at most 10 %; every
 measured peak within its budget. Each plan row also gives the planner's predicted overhead
 and ``planner.bounds.recompute_lower_bound_ms`` for its budget, both in the profile's time
-(sum of per-node forward times over the profiled step): no plan that recomputes nodes can
-predict less than the bound. At every-layer's peak the verdict also gives the bound as a share
+(sum of per-node forward times over the profiled step), on the graph the planner plans (reads
+protected from later in-place writes): no plan, kept outputs included, can predict less than
+the bound. At every-layer's peak the verdict also gives the bound as a share
 of every-layer's recompute in the same time (the forward time of the layers' nodes): above 60 %
 the time bar is out of reach of any plan by the simulator's account.
 
@@ -40,7 +41,7 @@ from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
 from planner.bounds import recompute_lower_bound_ms
-from planner.costgraph import CostGraph
+from planner.costgraph import CostGraph, protect_reads_before_writes
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes
 
 log = logging.getLogger("quality")
@@ -134,7 +135,7 @@ def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exa
             opt, at_minimum = _planned(model, example, budget, selective, cache_dir, exact)
             plan, graph = opt.plan, opt.cost_graph
             result.every_recompute_ms = layers_forward_ms(graph, layers_name)
-            bound_ms = recompute_lower_bound_ms(graph, int(plan.budget_bytes * 0.99))
+            bound_ms = recompute_lower_bound_ms(protect_reads_before_writes(graph), int(plan.budget_bytes * 0.99))
             result.rows.append(PlanRow(
                 model=name, target=target, method="planner, selective" if selective else "planner",
                 budget_bytes=plan.budget_bytes, planned_at_minimum=at_minimum,

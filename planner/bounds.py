@@ -1,17 +1,33 @@
-"""A lower bound on the recompute time any plan needs to fit a budget: how far from optimal a
-plan can be, and whether a target overhead is reachable at all on the profiled times.
+"""A lower bound on the recompute any plan needs to fit a budget: how far from optimal a plan
+can be, and whether a target overhead is reachable at all on the profiled costs.
 
-Take a moment of the unoptimized step (a node's forward or backward) where the simulator's
-live bytes exceed the budget. A plan changes nothing at that moment but the storages saved for
-backward by nodes that already ran their forward and not yet their backward. Such a storage is
-gone only if the node that made it runs again in a recompute (a storage the recompute does not
-remake is an input of its segment, held until that segment's backward). The recompute pays for
-that node in full, or, when the node saves the storage itself, at least for the part of it
-before its last save (:mod:`planner.rerun`: a recompute stops there). So a plan that fits must
-rerun makers of saved storages adding up to at least ``live - budget_bytes`` there. Allowing
-fractions of nodes (a fractional knapsack, cheapest time per byte first) can only lower the
-needed time; the largest of these over the moments is a lower bound on the recompute time of
-any plan, by the plan's own account.
+Compare a plan's replay with the unoptimized one, moment by moment (a node's forward or
+backward; :func:`planner.simulate.simulate`). Outside the recompute, a plan changes what is
+live only in two ways, whatever its segments and kept outputs:
+
+* **Saved storages it frees.** A storage saved for backward, live in the unoptimized step from
+  its first saver's forward to its last saver's backward, can be gone only if the node that
+  made it runs again in a recompute: otherwise the backward has nothing to read it from. It is
+  never gone where it is being used: at the forward of its maker or of a node reading it, and
+  at the backward of a node that saved it.
+* **Transient inputs it holds longer.** A storage nothing saves is freed after its last reader
+  in the unoptimized step. If a node reading it runs again in a recompute while the node that
+  made it does not, the plan must hold it from the forward until that recompute: it is live
+  at every forward moment after its last reader (a segment input, or a kept output).
+
+So with a binary ``x[n]`` for "node ``n`` runs again", every plan that fits satisfies, at each
+moment where the unoptimized step exceeds the budget::
+
+    sum(bytes freeable there whose maker n has x[n] = 1) - sum(transients held there) >= live - budget
+
+and recomputes at least ``sum(cost[n] * x[n])``, where ``cost[n]`` is what a recompute spends
+on ``n`` at the least (all of it, or the share before its last save when it can end a
+segment; :mod:`planner.rerun`). The least cost over these covering constraints, proven by
+HiGHS (its dual bound) or, with CBC, by the LP relaxation, is a lower bound on the recompute
+of every plan, kept outputs included, by the plan's own account (the simulator's memory and
+the profile's costs). It is far cheaper than :mod:`planner.reach` (one binary per node, no
+segment structure): milliseconds to a second on the quality models. Because it ignores the
+memory a recompute itself adds in the backward, it can stay below the cheapest plan.
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -22,41 +38,215 @@ Example:
     >>> g = CostGraph(tuple(nodes), (Storage(0, 100, True), *(Storage(i, 100) for i in (1, 2, 3))), ("n3",))
     >>> simulate(g).peak_bytes  # at n3's backward: n3's gradient and n2's next to it
     600
-    >>> recompute_lower_bound_ms(g, 450)  # 150 bytes to free: n2 (1 ms) and half of n1 (2 ms)
-    3.0
+    >>> recompute_lower_bound_ms(g, 550)  # 50 bytes to free where n2 needs its own: rerun n1
+    4.0
+    >>> recompute_lower_bound_ms(g, 450)  # 150 there, but only n1's 100 can go: no plan fits
+    inf
 """
 
 from __future__ import annotations
 
-from planner.costgraph import CostGraph
-from planner.rerun import after_last_save_time_fraction
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from planner.costgraph import CostGraph, CostNode
+from planner.errors import InputError
+from planner.highs import PlannerHiGHS
+from planner.rerun import after_last_save_fraction, after_last_save_time_fraction
 from planner.simulate import simulate
+from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
-__all__ = ["recompute_lower_bound_ms"]
+__all__ = ["LowerBound", "covering_bound", "least_rerun_cost", "lp_relaxation_bound", "milp_dual_bound",
+           "recompute_lower_bound_ms"]
 
+log = logging.getLogger(__name__)
 
-def _returned_storages(graph: CostGraph) -> set[int]:
-    persistent = {s.key for s in graph.storages if s.persistent}
-    return {k for name in graph.output_names for k in graph.node(name).output_storages} - persistent
-
-
-def _knapsack_ms(options: list[tuple[float, float, int]], needed_bytes: int) -> float:
-    """Least time to free ``needed_bytes`` from ``(ms per byte, ms, bytes)`` options, fractions
-    allowed; ``inf`` when they cannot."""
-    total_ms = 0.0
-    for _, time_ms, freed in sorted(options):
-        if freed >= needed_bytes:
-            return total_ms + time_ms * needed_bytes / freed
-        total_ms += time_ms
-        needed_bytes -= freed
-    return float("inf")
+OBJECTIVES = ("time", "flops")
+MIB = float(2**20)
 
 
-def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments: int = 64) -> float:
-    """The least forward time (ms) of recomputed nodes that any plan fitting ``budget_bytes``
-    needs, by the bound in the module docstring, over the ``max_moments`` moments of the
-    unoptimized step with the most live bytes (more moments can only raise it); ``inf`` when
-    the budget is infeasible by this account, 0 when nothing has to be freed.
+@dataclass(frozen=True)
+class LowerBound:
+    """A proven lower bound: ``value`` (ms or FLOPs; ``inf`` when no plan fits by the account)
+    and how it was proven."""
+
+    value: float
+    method: str
+
+
+def milp_dual_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool = True,
+                    gap: float = MIP_GAP) -> tuple[float, bool, str]:
+    """HiGHS's proven bound on ``prob``'s optimum (a minimisation): ``(bound, infeasible, method)``.
+    The dual bound is valid when HiGHS stops at its time limit too."""
+    options = {} if presolve else {"presolve": "off"}
+    prob.solve(PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=gap, **options))
+    if prob.status == pulp.LpStatusInfeasible:
+        return math.inf, True, "MILP infeasible (HiGHS)"
+    info = prob.solverModel.getInfo()
+    status = str(prob.solverModel.getModelStatus())
+    bound = float(info.mip_dual_bound)
+    if not math.isfinite(bound):
+        return 0.0, False, f"HiGHS proved no bound ({status})"
+    closed = "Optimal" in status
+    return max(0.0, bound), False, (f"MILP optimum within the {gap * 100:g} % gap (HiGHS)" if closed
+                                    else f"MILP bound after {time_limit_s:g} s (HiGHS)")
+
+
+def lp_relaxation_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[float, bool, str]:
+    """The optimum of ``prob``'s LP relaxation (CBC): ``(bound, infeasible, method)``."""
+    relaxed = solved_lp_relaxation(prob, time_limit_s)
+    if relaxed.status == pulp.LpStatusInfeasible:
+        return math.inf, True, "LP relaxation infeasible (CBC)"
+    if relaxed.status != pulp.LpStatusOptimal:
+        return 0.0, False, f"LP relaxation not solved (CBC: {pulp.LpStatus[relaxed.status]})"
+    return max(0.0, float(pulp.value(relaxed.objective) or 0.0)), False, "LP relaxation (CBC)"
+
+
+def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") -> float:
+    """The least a recompute that runs ``node`` (wholly or in part) spends on it: all of it, or,
+    when it can end a segment partway (its last save before its end), the share before that.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode
+        >>> g = CostGraph((CostNode("sdpa", "attention", time_ms=10.0, flops=100, after_last_save_fraction=0.5,
+        ...                         after_last_save_time_fraction=0.2),), ())
+        >>> least_rerun_cost(g, g.node("sdpa")), least_rerun_cost(g, g.node("sdpa"), "flops")
+        (8.0, 50.0)
+    """
+    full = node.time_ms if objective == "time" else float(node.flops)
+    share = after_last_save_fraction(graph, node)
+    if not 0.0 < share < 1.0:
+        return full  # a node that saves only its inputs is skipped, not run, when it ends a segment
+    if objective == "flops":
+        return float(math.floor(full * (1.0 - share)))  # planner.rerun rounds the share's FLOPs
+    return full * (1.0 - after_last_save_time_fraction(graph, node))
+
+
+class _CoveringModel:
+    """The covering ILP of the module docstring for one graph and budget."""
+
+    def __init__(self, graph: CostGraph, budget_bytes: int, objective: str, max_moments: int) -> None:
+        sizes = graph.storage_by_key
+        persistent = {k for k, s in sizes.items() if s.persistent}
+        position = {n.name: i for i, n in enumerate(graph.nodes)}
+        values = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in graph.nodes}
+        returned = {k for name in graph.output_names for k in values[name]}
+        maker: dict[int, str] = {}
+        savers: dict[int, set[str]] = {}
+        last_use: dict[int, int] = {}  # as the simulator frees storages nothing saved
+        for i, node in enumerate(graph.nodes):
+            for k in (*node.output_storages, *node.saved_storages):
+                maker.setdefault(k, node.name)
+            for k in node.saved_storages:
+                savers.setdefault(k, set()).add(node.name)
+            for k in (*values[node.name], *(k for name in node.input_names for k in values[name])):
+                last_use[k] = max(last_use.get(k, i), i)
+        self.inputs_of = {n.name: {k for name in n.input_names for k in values[name]} for n in graph.nodes}
+        rerunnable = {n.name for n in graph.compute_nodes if n.recomputable}
+        self.prob = pulp.LpProblem("recompute_lower_bound", pulp.LpMinimize)
+        self.x = {name: self.prob.add_variable(f"rerun_{i}", cat=pulp.LpBinary)
+                  for i, name in enumerate(sorted(rerunnable))}
+        self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
+                                          for name, v in self.x.items()))
+        # saved storages a plan can free: (first saver's position, maker, MiB, storage, savers)
+        self.freeable: list[tuple[int, str, float, int, set[str]]] = []
+        for k, names in savers.items():
+            if k in persistent or k in returned or maker[k] not in rerunnable or not names <= rerunnable:
+                continue
+            self.freeable.append((min(position[n] for n in names), maker[k], sizes[k].size_bytes / MIB, k, names))
+        # transients a rerun reader makes the plan hold: (last use, held variable, MiB)
+        self.transients: list[tuple[int, pulp.LpVariable, float]] = []
+        for k, made_by in maker.items():
+            if k in persistent or k in returned or k in savers:
+                continue
+            readers = [n.name for n in graph.compute_nodes if k in self.inputs_of[n.name] and n.name in self.x]
+            if not readers:
+                continue
+            held = self.prob.add_variable(f"held_{k}", lowBound=0, upBound=1)
+            for r in readers:
+                self.prob += (held >= self.x[r] - self.x.get(made_by, 0), f"hold_{k}_for_{r}")
+            self.transients.append((last_use[k], held, sizes[k].size_bytes / MIB))
+        #: a moment where nothing can be freed and the budget is exceeded: no plan fits
+        self.infeasible = False
+        moments = [m for m in simulate(graph).timeline if m[2] > budget_bytes]
+        self.moments = sorted(moments, key=lambda m: -m[2])[:max_moments]
+        for c, (phase, name, live) in enumerate(self.moments):
+            self._add_moment(c, phase, name, position[name], (live - budget_bytes) / MIB)
+
+    def _add_moment(self, c: int, phase: str, name: str, here: int, excess_mib: float) -> None:
+        freed: dict[str, float] = {}
+        for first, made_by, mib, k, names in self.freeable:
+            if first > here:
+                continue  # not saved yet
+            if phase == "backward" and name in names:
+                continue  # this backward reads it
+            if phase == "forward" and (made_by == name or k in self.inputs_of[name]):
+                continue  # being made or read right now
+            freed[made_by] = freed.get(made_by, 0.0) + mib
+        if not freed:
+            self.infeasible = True
+            return
+        held = [mib * v for last, v, mib in self.transients if phase == "forward" and last < here]
+        self.prob += (pulp.lpSum(mib * self.x[m] for m, mib in freed.items()) - pulp.lpSum(held) >= excess_mib,
+                      f"moment_{c}_{phase}_{name}")
+
+
+def covering_bound(
+    graph: CostGraph,
+    budget_bytes: int,
+    *,
+    objective: str = "time",
+    max_moments: int = 256,
+    time_limit_s: float = 30.0,
+    solver: str | None = None,
+) -> LowerBound:
+    """The least recompute time (ms) or FLOPs any plan fitting ``budget_bytes`` needs, by the
+    covering ILP of the module docstring over the ``max_moments`` fullest moments of the
+    unoptimized step (fewer moments can only lower it): HiGHS's dual bound after at most
+    ``time_limit_s`` (where installed, unless ``solver="CBC"``), else the LP relaxation. ``inf``
+    when no plan fits by this account, 0 when the unoptimized step fits.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+        ...               (Storage(0, 64, True),))
+        >>> covering_bound(g, 64).value, covering_bound(g, 63).value
+        (0.0, inf)
+
+    Raises:
+        InputError: an unknown objective, a budget that is not a positive number of bytes, or a
+            time limit that is not positive.
+    """
+    if objective not in OBJECTIVES:
+        raise InputError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+        raise InputError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    if not time_limit_s > 0:
+        raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    started = time.perf_counter()
+    if simulate(graph).peak_bytes <= budget_bytes:
+        return LowerBound(0.0, "nothing to free")
+    if sum(s.size_bytes for s in graph.storages if s.persistent) > budget_bytes:
+        return LowerBound(math.inf, "parameters and inputs alone exceed the budget")
+    model = _CoveringModel(graph, budget_bytes, objective, max_moments)
+    if model.infeasible:
+        return LowerBound(math.inf, "nothing freeable at a moment over the budget")
+    if solver != "CBC" and "HiGHS" in available_solvers():
+        value, _, method = milp_dual_bound(model.prob, time_limit_s, gap=1e-4)
+    else:
+        value, _, method = lp_relaxation_bound(model.prob, time_limit_s)
+    log.info("covering bound (%s): %s over %d moments, %d nodes, %d transients, %.2f s", objective, value,
+             len(model.moments), len(model.x), len(model.transients), time.perf_counter() - started)
+    return LowerBound(value, f"covering ILP: {method}")
+
+
+def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments: int = 256,
+                             solver: str | None = None) -> float:
+    """The least recompute time (ms) any plan fitting ``budget_bytes`` needs: :func:`covering_bound`.
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -65,45 +255,4 @@ def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments
         >>> recompute_lower_bound_ms(g, 64), recompute_lower_bound_ms(g, 63)
         (0.0, inf)
     """
-    sizes = graph.storage_by_key
-    returned = _returned_storages(graph)
-    unoptimized = simulate(graph)
-    if unoptimized.peak_bytes <= budget_bytes:
-        return 0.0
-    if not any(n.kind == "compute" for n in graph.nodes):
-        return float("inf")
-    position = {n.name: i for i, n in enumerate(graph.nodes)}
-    maker: dict[int, str] = {}  # storage -> the node that made it (first to output or save it)
-    savers: dict[int, list[str]] = {}
-    for node in graph.nodes:
-        for k in (*node.output_storages, *node.saved_storages):
-            maker.setdefault(k, node.name)
-        for k in set(node.saved_storages):
-            savers.setdefault(k, []).append(node.name)
-    # (first saver's position, maker, bytes) of every saved storage a plan could free
-    freeable: list[tuple[int, str, int]] = []
-    for k, names in savers.items():
-        made_by = graph.node(maker[k])
-        if sizes[k].persistent or k in returned or made_by.kind != "compute" or not made_by.recomputable:
-            continue
-        if all(graph.node(n).recomputable for n in names):
-            freeable.append((min(position[n] for n in names), made_by.name, sizes[k].size_bytes))
-    saves_own = {name for k, names in savers.items() for name in names if maker.get(k) == name}
-    least_ms = {}
-    for name in {m for _, m, _ in freeable}:
-        node = graph.node(name)
-        share = 1.0 - after_last_save_time_fraction(graph, node) if name in saves_own else 1.0
-        least_ms[name] = node.time_ms * share
-    moments = sorted((m for m in unoptimized.timeline if m[2] > budget_bytes), key=lambda m: -m[2])[:max_moments]
-    bound = 0.0
-    for phase, name, live_bytes in moments:
-        # saved storages held at this moment: those first saved by nodes up to this one
-        # (forward: already run; backward: backward not yet finished)
-        here = position[name]
-        freed_by: dict[str, int] = {}
-        for first, made_by, size in freeable:
-            if first <= here:
-                freed_by[made_by] = freed_by.get(made_by, 0) + size
-        options = [(least_ms[m] / freed, least_ms[m], freed) for m, freed in freed_by.items()]
-        bound = max(bound, _knapsack_ms(options, live_bytes - budget_bytes))
-    return bound
+    return covering_bound(graph, budget_bytes, max_moments=max_moments, solver=solver).value

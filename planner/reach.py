@@ -1,8 +1,8 @@
 """Whether an overhead is reachable at all: a proven lower bound on the recompute of every plan.
 
-:mod:`planner.bounds` bounds the recompute time cheaply but loosely: it lets a plan free a
-storage by rerunning its maker alone, although every node still holding the storage must be
-recomputed too. This module bounds it tightly, at a solver's price. The optimistic account of
+:mod:`planner.bounds` bounds the recompute cheaply, node by node, with no segments: it ignores
+the memory a recompute adds in the backward. This module bounds it with the segment structure
+and the backward's memory, at a solver's price. The optimistic account of
 :mod:`planner.relaxation` never predicts more than the simulator, moment by moment, for any
 plan over its stages. Built with every compute node as its own stage, its candidates are all
 the plans of segments the planner can emit, so its optimum is at most the cost of the
@@ -47,15 +47,14 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.bounds import recompute_lower_bound_ms
+from planner.bounds import covering_bound, lp_relaxation_bound, milp_dual_bound
 from planner.costgraph import CostGraph
 from planner.errors import InputError
-from planner.highs import PlannerHiGHS
 from planner.keep import segment_with_kept
 from planner.kept_account import KeptOutputsAccount
 from planner.relaxation import OptimisticAccount
 from planner.simulate import simulate
-from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
+from planner.solve import available_solvers
 from planner.stages import build_stages
 
 __all__ = ["RecomputeBound", "recompute_bound"]
@@ -63,6 +62,8 @@ __all__ = ["RecomputeBound", "recompute_bound"]
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("time", "flops")
+#: at most this long for the covering bound of :mod:`planner.bounds` (it takes under a second on the quality models)
+COVERING_TIME_LIMIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,13 @@ def recompute_bound(
     With HiGHS (the default where installed) the account is solved as a MILP for up to
     ``time_limit_s`` and its best bound is read; with ``solver="CBC"`` its LP relaxation is
     solved (weaker, and only as fast as CBC's LP). The larger of that and
-    :func:`planner.bounds.recompute_lower_bound_ms` (time only) is returned. The account is
-    constrained at the ``max_moments`` fullest moments of the unoptimized step (fewer moments
-    can only lower the bound). On a 4-layer GPT-2 (222 compute nodes) building the account takes
-    about 30 s and HiGHS does not close its gap in 300 s; the bound it proves by then is still
-    far above the cheap one (README). ``presolve=False`` turns HiGHS's presolve off: on a 4-layer
-    Llama (303 compute nodes) HiGHS with presolve proved no bound in 300 s, without it one far
-    above the knapsack's; on GPT-2 the two bounds came within 3 % of each other.
+    :func:`planner.bounds.covering_bound` (for at most :data:`COVERING_TIME_LIMIT_S`) is
+    returned. The account is constrained at the ``max_moments`` fullest moments of the
+    unoptimized step (fewer moments can only lower the bound). On a 4-layer GPT-2 (222 compute
+    nodes) building the account takes about 30 s and HiGHS does not close its gap in 300 s.
+    ``presolve=False`` turns HiGHS's presolve off: on a 4-layer Llama (303 compute nodes) HiGHS
+    with presolve proved no bound in 300 s, without it one far above the previous cheap bound
+    (a fractional knapsack per moment); on GPT-2 the two bounds came within 3 % of each other.
 
     Example:
         See the module docstring.
@@ -135,9 +136,11 @@ def recompute_bound(
     started = time.perf_counter()
     if simulate(graph).peak_bytes <= budget_bytes:
         return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0, kept_outputs)
-    cheap = recompute_lower_bound_ms(graph, budget_bytes) if objective == "time" else 0.0
+    covering = covering_bound(graph, budget_bytes, objective=objective, solver=solver,
+                              time_limit_s=min(time_limit_s, COVERING_TIME_LIMIT_S))
+    cheap = covering.value
     if math.isinf(cheap):
-        return RecomputeBound(objective, budget_bytes, math.inf, None, "knapsack", True,
+        return RecomputeBound(objective, budget_bytes, math.inf, None, covering.method, True,
                               time.perf_counter() - started, kept_outputs)
     stages = build_stages(graph, max_stages=len(graph.compute_nodes))
     account = (KeptOutputsAccount if kept_outputs else OptimisticAccount)(graph, stages, budget_bytes)
@@ -153,8 +156,8 @@ def recompute_bound(
              "%d variables, built in %.1f s", len(stages), len(account.y), len(getattr(account, "x", ())),
              len(account.constrained), account.prob.numVariables(), time.perf_counter() - started)
     use_highs = solver != "CBC" and "HiGHS" in available_solvers()
-    proven, infeasible, method = (_milp_bound(account.prob, time_limit_s, presolve) if use_highs
-                                  else _lp_bound(account.prob, time_limit_s))
+    proven, infeasible, method = (milp_dual_bound(account.prob, time_limit_s, presolve) if use_highs
+                                  else lp_relaxation_bound(account.prob, time_limit_s))
     best = None
     if use_highs and not infeasible and account.prob.sol_status in (pulp.LpSolutionOptimal,
                                                                     pulp.LpSolutionIntegerFeasible):
@@ -164,7 +167,7 @@ def recompute_bound(
     else:
         bound = max(proven, cheap)
         if cheap > proven:
-            method = "knapsack"
+            method = covering.method
     return RecomputeBound(objective, budget_bytes, bound, best, method, infeasible, time.perf_counter() - started,
                           kept_outputs)
 
@@ -179,28 +182,3 @@ def _solution_cost(graph: CostGraph, account: OptimisticAccount, objective: str)
         return None
     return float(sum(s.recompute_ms if objective == "time" else s.recompute_flops for s in segments))
 
-
-def _milp_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool) -> tuple[float, bool, str]:
-    """HiGHS's proven bound on ``prob``'s optimum: ``(bound, infeasible, method)``."""
-    options = {} if presolve else {"presolve": "off"}
-    prob.solve(PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=MIP_GAP, **options))
-    if prob.status == pulp.LpStatusInfeasible:
-        return math.inf, True, "MILP infeasible (HiGHS)"
-    info = prob.solverModel.getInfo()
-    status = str(prob.solverModel.getModelStatus())
-    bound = float(info.mip_dual_bound)
-    if not math.isfinite(bound):
-        return 0.0, False, f"HiGHS proved no bound ({status})"
-    closed = "Optimal" in status
-    return max(0.0, bound), False, ("MILP optimum within the 1 % gap (HiGHS)" if closed
-                                    else f"MILP bound after {time_limit_s:g} s (HiGHS)")
-
-
-def _lp_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[float, bool, str]:
-    """The optimum of ``prob``'s LP relaxation (CBC): ``(bound, infeasible, method)``."""
-    relaxed = solved_lp_relaxation(prob, time_limit_s)
-    if relaxed.status == pulp.LpStatusInfeasible:
-        return math.inf, True, "LP relaxation infeasible (CBC)"
-    if relaxed.status != pulp.LpStatusOptimal:
-        return 0.0, False, f"LP relaxation not solved (CBC: {pulp.LpStatus[relaxed.status]})"
-    return max(0.0, float(pulp.value(relaxed.objective) or 0.0)), False, "LP relaxation (CBC)"
