@@ -60,7 +60,7 @@ from planner.rerun import after_last_save_fraction, after_last_save_time_fractio
 from planner.simulate import simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
-__all__ = ["LowerBound", "covering_bound", "least_rerun_cost", "lp_relaxation_bound", "milp_dual_bound",
+__all__ = ["LowerBound", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound", "milp_dual_bound",
            "recompute_lower_bound_ms"]
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,17 @@ def lp_relaxation_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[floa
     if relaxed.status != pulp.LpStatusOptimal:
         return 0.0, False, f"LP relaxation not solved (CBC: {pulp.LpStatus[relaxed.status]})"
     return max(0.0, float(pulp.value(relaxed.objective) or 0.0)), False, "LP relaxation (CBC)"
+
+
+def check_bound_arguments(objective: str, budget_bytes: int, time_limit_s: float) -> None:
+    """Raise :class:`InputError` saying what to pass for an unknown objective, a budget that is
+    not a positive number of bytes, or a time limit that is not positive."""
+    if objective not in OBJECTIVES:
+        raise InputError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+        raise InputError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    if not time_limit_s > 0:
+        raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
 
 
 def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") -> float:
@@ -221,12 +232,7 @@ def covering_bound(
         InputError: an unknown objective, a budget that is not a positive number of bytes, or a
             time limit that is not positive.
     """
-    if objective not in OBJECTIVES:
-        raise InputError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-        raise InputError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    if not time_limit_s > 0:
-        raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
     if simulate(graph).peak_bytes <= budget_bytes:
         return LowerBound(0.0, "nothing to free")

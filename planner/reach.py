@@ -47,9 +47,13 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.bounds import covering_bound, lp_relaxation_bound, milp_dual_bound
+from planner.bounds import (
+    check_bound_arguments,
+    covering_bound,
+    lp_relaxation_bound,
+    milp_dual_bound,
+)
 from planner.costgraph import CostGraph
-from planner.errors import InputError
 from planner.keep import segment_with_kept
 from planner.kept_account import KeptOutputsAccount
 from planner.relaxation import OptimisticAccount
@@ -61,7 +65,6 @@ __all__ = ["RecomputeBound", "recompute_bound"]
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("time", "flops")
 #: at most this long for the covering bound of :mod:`planner.bounds` (it takes under a second on the quality models)
 COVERING_TIME_LIMIT_S = 30.0
 
@@ -127,12 +130,7 @@ def recompute_bound(
         InputError: an unknown objective, a budget that is not a positive number of bytes, or a
             time limit that is not positive.
     """
-    if objective not in OBJECTIVES:
-        raise InputError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-        raise InputError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    if not time_limit_s > 0:
-        raise InputError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
     if simulate(graph).peak_bytes <= budget_bytes:
         return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0, kept_outputs)
