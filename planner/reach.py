@@ -127,8 +127,7 @@ def recompute_bound(
         See the module docstring.
 
     Raises:
-        InputError: an unknown objective, a budget that is not a positive number of bytes, or a
-            time limit that is not positive.
+        InputError: see :func:`planner.bounds.check_bound_arguments`.
     """
     check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
