@@ -57,11 +57,11 @@ from planner.costgraph import CostGraph, CostNode
 from planner.errors import InputError
 from planner.highs import PlannerHiGHS
 from planner.rerun import after_last_save_fraction, after_last_save_time_fraction
-from planner.simulate import simulate
+from planner.simulate import SimulationResult, simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
-__all__ = ["LowerBound", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound", "milp_dual_bound",
-           "recompute_lower_bound_ms"]
+__all__ = ["LowerBound", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound",
+           "milp_dual_bound", "recompute_lower_bound_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") 
 class _CoveringModel:
     """The covering ILP of the module docstring for one graph and budget."""
 
-    def __init__(self, graph: CostGraph, budget_bytes: int, objective: str, max_moments: int) -> None:
+    def __init__(self, graph: CostGraph, unoptimized: SimulationResult, budget_bytes: int, objective: str,
+                 max_moments: int) -> None:
         sizes = graph.storage_by_key
         persistent = {k for k, s in sizes.items() if s.persistent}
         position = {n.name: i for i, n in enumerate(graph.nodes)}
@@ -158,6 +159,11 @@ class _CoveringModel:
                 last_use[k] = max(last_use.get(k, i), i)
         self.inputs_of = {n.name: {k for name in n.input_names for k in values[name]} for n in graph.nodes}
         rerunnable = {n.name for n in graph.compute_nodes if n.recomputable}
+        readers: dict[int, list[str]] = {}  # storage -> the rerunnable nodes reading it
+        for n in graph.compute_nodes:
+            if n.name in rerunnable:
+                for k in self.inputs_of[n.name]:
+                    readers.setdefault(k, []).append(n.name)
         self.prob = pulp.LpProblem("recompute_lower_bound", pulp.LpMinimize)
         self.x = {name: self.prob.add_variable(f"rerun_{i}", cat=pulp.LpBinary)
                   for i, name in enumerate(sorted(rerunnable))}
@@ -174,16 +180,15 @@ class _CoveringModel:
         for k, made_by in maker.items():
             if k in persistent or k in returned or k in savers:
                 continue
-            readers = [n.name for n in graph.compute_nodes if k in self.inputs_of[n.name] and n.name in self.x]
-            if not readers:
+            if k not in readers:
                 continue
             held = self.prob.add_variable(f"held_{k}", lowBound=0, upBound=1)
-            for r in readers:
+            for r in readers[k]:
                 self.prob += (held >= self.x[r] - self.x.get(made_by, 0), f"hold_{k}_for_{r}")
             self.transients.append((last_use[k], held, sizes[k].size_bytes / MIB))
         #: a moment where nothing can be freed and the budget is exceeded: no plan fits
         self.infeasible = False
-        moments = [m for m in simulate(graph).timeline if m[2] > budget_bytes]
+        moments = [m for m in unoptimized.timeline if m[2] > budget_bytes]
         self.moments = sorted(moments, key=lambda m: -m[2])[:max_moments]
         for c, (phase, name, live) in enumerate(self.moments):
             self._add_moment(c, phase, name, position[name], (live - budget_bytes) / MIB)
@@ -234,11 +239,12 @@ def covering_bound(
     """
     check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
-    if simulate(graph).peak_bytes <= budget_bytes:
+    unoptimized = simulate(graph)
+    if unoptimized.peak_bytes <= budget_bytes:
         return LowerBound(0.0, "nothing to free")
     if sum(s.size_bytes for s in graph.storages if s.persistent) > budget_bytes:
         return LowerBound(math.inf, "parameters and inputs alone exceed the budget")
-    model = _CoveringModel(graph, budget_bytes, objective, max_moments)
+    model = _CoveringModel(graph, unoptimized, budget_bytes, objective, max_moments)
     if model.infeasible:
         return LowerBound(math.inf, "nothing freeable at a moment over the budget")
     if solver != "CBC" and "HiGHS" in available_solvers():
