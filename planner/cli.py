@@ -207,7 +207,8 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stages", type=int, default=32)
     parser.add_argument("--exact", action="store_true",
                         help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
-                             "large graphs; on by default under 64 compute nodes)")
+                             "large graphs; by default it runs under 64 compute nodes, and under 512 where "
+                             "the first plan leaves over 1 %% of the budget unused)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -253,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-stages", type=int, default=32)
     plan.add_argument("--exact", action="store_true",
                         help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
-                             "large graphs; on by default under 64 compute nodes)")
+                             "large graphs; by default it runs under 64 compute nodes, and under 512 where "
+                             "the first plan leaves over 1 %% of the budget unused)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.set_defaults(func=_plan_command)
     return parser

@@ -170,9 +170,11 @@ def optimize(
             profiling and solving is logged at INFO either way.
         exact: after the ILP, search an optimistic memory account checked against the simulator
             until it proves the plan the cheapest over the stages or finds a cheaper one
-            (:mod:`planner.relaxation`). None (default): only on graphs of fewer than 64 compute
-            nodes, where it is fast; True on a real model costs 2x to 7x the solve time for up to
-            a tenth less recompute (README).
+            (:mod:`planner.relaxation`). None (default): on graphs of fewer than 64 compute
+            nodes, where it is fast, and on graphs under 512 where the ILP's plan leaves more
+            than 1 % of the budget unused (up to 30 s; 14 to 22 % less recompute on the quality
+            models where it ran); True: always, which on a real model whose ILP plan fills the
+            budget costs up to 2x the solve time and rarely finds a cheaper plan (README).
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its

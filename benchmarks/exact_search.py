@@ -1,0 +1,137 @@
+"""What the exact search buys on real models, and when the planner runs it by default.
+
+For each model of ``benchmarks/quality.py``: the unoptimized peak and checkpoint-every-layer's
+peak measured at the allocator, one profile, and at each target (every-layer's peak, and 50 %
+of the unoptimized peak) three plans of whole segments by ``plan_for_budget`` (as ``optimize``
+plans them, with the 1 % safety margin): ``exact=False`` (the ILP and its finer pass alone),
+the default ``exact=None`` (the exact search also runs on graphs under
+``planner.solve.EXACT_BY_DEFAULT_BELOW`` compute nodes when the ILP's plan leaves more than
+``EXACT_WHEN_UNUSED`` of the budget unused) and ``exact=True``. Predicted overhead (the
+profile's summed node times over its profiled step), the budget the first plan left unused,
+and each solve's wall time on this machine.
+
+    python benchmarks/exact_search.py [--models gpt2 llama bert mlp gpt2_768] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, write_readme_section
+from quality import MODELS
+
+from planner import InfeasibleBudgetError, Plan, optimize
+from planner.pipeline import plan_for_budget
+from profiling import StepInputs, measure_step_peak_bytes
+
+log = logging.getLogger("exact_search")
+
+README_BEGIN = "<!-- benchmarks/exact_search.py --readme: begin -->"
+README_END = "<!-- benchmarks/exact_search.py --readme: end -->"
+MODES = (("exact=False", False), ("default", None), ("exact=True", True))
+SAFETY_MARGIN = 0.01  # optimize's default
+
+
+@dataclasses.dataclass
+class Solved:
+    #: None: the planner refused the budget
+    plan: Plan | None
+    solve_s: float
+
+
+@dataclasses.dataclass
+class TargetRow:
+    model: str
+    compute_nodes: int
+    target: str
+    budget_bytes: int
+    #: one per entry of MODES
+    solved: list[Solved]
+
+
+def _solve(graph, budget_bytes: int, exact: bool | None) -> Solved:
+    started = time.perf_counter()
+    try:
+        plan = plan_for_budget(graph, budget_bytes / GIB, exact=exact, safety_margin=SAFETY_MARGIN)
+    except InfeasibleBudgetError:
+        plan = None
+    return Solved(plan, time.perf_counter() - started)
+
+
+def run_model(name: str, cache_dir: str) -> list[TargetRow]:
+    model, example = MODELS[name][1]()
+    inputs = StepInputs.from_example(example)
+    base_peak = measure_step_peak_bytes(model, inputs)
+    every_peak = measure_step_peak_bytes(checkpoint_every_k(model, 1), inputs)
+    graph = optimize(model, example, budget_gb=4 * base_peak / GIB, cache_dir=cache_dir).cost_graph
+    rows = []
+    for target, budget in (("every-layer peak", every_peak), ("50 %", base_peak // 2)):
+        solved = [_solve(graph, budget, exact) for _, exact in MODES]
+        rows.append(TargetRow(name, len(graph.compute_nodes), target, budget, solved))
+        log.info("%s %s: %s", name, target, ", ".join(
+            f"{mode} {s.plan.recompute_ms:.1f} ms in {s.solve_s:.1f} s" if s.plan else f"{mode} refused"
+            for (mode, _), s in zip(MODES, solved)))
+    return rows
+
+
+def _cell(solved: Solved) -> str:
+    if solved.plan is None:
+        return f"refused ({solved.solve_s:.1f} s)"
+    plan = solved.plan
+    found = " (exact search's plan)" if plan.solver.endswith("+ exact") else ""
+    return f"{plan.recompute_ms / plan.step_ms:+.1%}{found}, {solved.solve_s:.1f} s"
+
+
+def _unused(row: TargetRow) -> str:
+    first = row.solved[0].plan
+    if first is None:
+        return "no plan"
+    planning_bytes = int(row.budget_bytes * (1 - SAFETY_MARGIN))
+    return f"{1 - first.predicted_peak_bytes / planning_bytes:.1%}"
+
+
+def markdown(rows: list[TargetRow], wall_s: float) -> str:
+    lines = [f"CPU, torch {torch.__version__}, plans of whole segments, 1 % safety margin, wall time "
+             f"{wall_s / 60:.1f} min.", "",
+             "| model (compute nodes) | target | budget | unused by the ILP's plan | "
+             + " | ".join(f"{mode}: overhead, solve" for mode, _ in MODES) + " |",
+             "|---|---|---|---|" + "---|" * len(MODES)]
+    for row in rows:
+        lines.append(f"| {row.model} ({row.compute_nodes}) | {row.target} | {row.budget_bytes / MIB:.1f} MiB | "
+                     f"{_unused(row)} | " + " | ".join(_cell(s) for s in row.solved) + " |")
+    lines += ["", "Overhead: the plan's predicted recompute time over the profiled step. Unused: the share of "
+              "the planning budget (99 % of the budget) the `exact=False` plan's predicted peak leaves free."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    args = parser.parse_args()
+    benchmark_logging()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    rows: list[TargetRow] = []
+    with tempfile.TemporaryDirectory(prefix="exact-profiles-") as cache_dir:
+        for name in args.models:
+            rows.extend(run_model(name, cache_dir))
+    text = markdown(rows, time.perf_counter() - started)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "exact_search.md").write_text(text)
+    print(text)
+    if args.readme:
+        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+
+
+if __name__ == "__main__":
+    main()
