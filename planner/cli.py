@@ -1,15 +1,16 @@
 """The ``ckpt-planner`` command.
 
     ckpt-planner report PATH --budget-gb 6 [--sweep] [--format text|json|csv|markdown] [--plot out.png]
-                        [--target h100] [--bound-s 60]
+                        [--target h100] [--bound-s 60 | --no-bound]
     ckpt-planner check TARGET --baseline memory.json [--tolerance 5%] [--budget-gb 6] [--update]
     ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
 
 ``report`` loads a saved model (a ``torch.export`` ``.pt2``, a HuggingFace ``save_pretrained``
 directory, or, with ``--trust-pickle``, a whole pickled module), profiles one training step and
 reports the unoptimized peak, the plan at the budget, the largest activations and, with
-``--sweep``, the memory/overhead Pareto front, and with ``--bound-s`` the least recompute time
-any plan needs at the budget (:mod:`planner.reach`). ``plan`` does the same planning for a Python
+``--sweep``, the memory/overhead Pareto front, and a lower bound on the recompute time any plan
+needs at the budget (:mod:`planner.reach`: the covering bound, or with ``--bound-s`` also the
+segment account solved for that long; ``--no-bound`` leaves it out). ``plan`` does the same planning for a Python
 entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
 
 Exit codes: 0 plan found, 2 usage or input error, 3 budget infeasible (the message names the
@@ -182,11 +183,12 @@ def _report_command(args: argparse.Namespace) -> int:
     plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages, exact=args.exact or None)
     plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
     bound = None
-    if args.bound_s:
+    if not args.no_bound:
         from planner.costgraph import protect_reads_before_writes
-        from planner.reach import recompute_bound
+        from planner.reach import COVERING_TIME_LIMIT_S, recompute_bound
 
-        bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes, time_limit_s=args.bound_s)
+        bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
+                                time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)
     report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound)
     sys.stdout.write(render(report, args.format))
     if args.plot:
@@ -224,9 +226,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--format", choices=("text", "json", "csv", "markdown"), default="text")
     report.add_argument("--plot", metavar="FILE.png", help="draw memory over the step (and the Pareto front)")
     report.add_argument("--bound-s", type=float, default=0.0, metavar="SECONDS",
-                        help="also prove the least recompute time any plan (kept outputs included) needs at "
-                             "the budget, solving for up to SECONDS (HiGHS); says how far the plan can be from "
-                             "the best")
+                        help="the report always gives a quick lower bound on the recompute time any plan (kept "
+                             "outputs included) needs at the budget (the covering bound, seconds at most); this "
+                             "also solves the segment account for up to SECONDS (HiGHS), often a tighter bound")
+    report.add_argument("--no-bound", action="store_true", help="skip the lower bound")
     report.add_argument("--target", dest="target_device", metavar="DEVICE",
                         help="plan for another device without running there: profile on fake tensors (bytes "
                              "from shapes, nothing allocated) and time ops with DEVICE's roofline "
