@@ -174,6 +174,16 @@ def write_readme_section(text: str, readme: Path, begin: str, end: str) -> None:
     readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
+def publish_table(text: str, out_dir: Path, file_name: str, readme_markers: tuple[str, str] | None) -> None:
+    """Write a benchmark's markdown ``text`` to ``out_dir / file_name`` and stdout, and, given
+    its README markers (begin, end), into README.md's section between them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / file_name).write_text(text)
+    sys.stdout.write(text)
+    if readme_markers is not None:
+        write_readme_section(text, ROOT / "README.md", *readme_markers)
+
+
 def benchmark_logging() -> None:
     """INFO lines with times from the benchmark scripts; only warnings from the library."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")

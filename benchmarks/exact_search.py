@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, write_readme_section
+from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, publish_table
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, Plan, optimize
@@ -125,12 +125,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="exact-profiles-") as cache_dir:
         for name in args.models:
             rows.extend(run_model(name, cache_dir))
-    text = markdown(rows, time.perf_counter() - started)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "exact_search.md").write_text(text)
-    print(text)
-    if args.readme:
-        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+    publish_table(markdown(rows, time.perf_counter() - started), args.out, "exact_search.md",
+                  (README_BEGIN, README_END) if args.readme else None)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, write_readme_section
+from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, publish_table
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, optimize
@@ -184,11 +184,8 @@ def main() -> None:
             log.info("%s done at %.0f s", name, time.perf_counter() - started)
     text = markdown(rows, args.time_limit_s, time.perf_counter() - started, presolve=not args.no_presolve,
                     kept_outputs=not args.segments_only)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("reach_segments_only.md" if args.segments_only else "reach.md")).write_text(text)
-    print(text)
-    if args.readme:
-        write_readme_section(text, ROOT / "README.md", README_BEGIN, README_END)
+    publish_table(text, args.out, "reach_segments_only.md" if args.segments_only else "reach.md",
+                  (README_BEGIN, README_END) if args.readme else None)
 
 
 if __name__ == "__main__":
