@@ -183,8 +183,9 @@ def test_target_device_plans_on_fake_tensors_with_the_same_bytes_as_the_python_a
 
 
 def test_exact_flag_proves_or_improves_the_plan_on_a_larger_graph(saved):
-    """GPT-2's graph has more than 64 compute nodes, so the exact search is opt-in there:
-    ``--exact`` never costs more than the default plan, and its plan is proven within the gap.
+    """GPT-2's graph has more than 64 compute nodes, so by default the exact search runs there
+    only when the ILP's plan leaves room unused: ``--exact`` never costs more than the default
+    plan, and its plan is proven within the gap.
     Both runs profile on fake tensors with roofline times (``--target cpu``), so that they
     price one and the same profile (measured node times differ from run to run)."""
     root, _, _ = saved
