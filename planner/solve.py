@@ -735,6 +735,9 @@ def solve(
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
         search_s = time_limit_s if exact else min(time_limit_s, exact_s)
+        log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
+                 "the ILP found none" if cheaper is None else
+                 f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
         plan = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized, solver, search_s,
                                                started)
     if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
