@@ -687,8 +687,8 @@ def solve(
     and on graphs under :data:`EXACT_BY_DEFAULT_BELOW` compute nodes where the ILP's plan
     leaves more than :data:`EXACT_WHEN_UNUSED` of the budget unused (or the ILP found none),
     for at most ``exact_s`` seconds: there it saved 14 to 22 % of the recompute on the quality
-    models, while on plans that filled the budget it found nothing cheaper in 0.5 to 11 s
-    (see the README). ``True`` runs it for up to ``time_limit_s``; the smallest-peak search
+    models in 0.1 to 2.2 s more, while on plans that filled the budget ``exact=True`` found
+    nothing cheaper in 4 to 26 s more (``benchmarks/exact_search.py``, README). ``True`` runs it for up to ``time_limit_s``; the smallest-peak search
     that answers an infeasible budget bisects with it only with ``True`` or under 64 nodes.
 
     When the ILP finds no plan, the smallest-peak plan is searched by local moves judged by the
