@@ -15,16 +15,14 @@ and each solve's wall time on this machine.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, publish_table
+from common import GIB, MIB, benchmark_logging, checkpoint_every_k, publish_table, table_arguments
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, Plan, optimize
@@ -112,12 +110,7 @@ def markdown(rows: list[TargetRow], wall_s: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
-    args = parser.parse_args()
+    args = table_arguments(__doc__.splitlines()[0], MODELS).parse_args()
     benchmark_logging()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -24,17 +24,15 @@ bounds plans of whole segments alone (the previous table).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from common import GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, publish_table
+from common import GIB, MIB, benchmark_logging, checkpoint_every_k, find_layers, publish_table, table_arguments
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, optimize
@@ -162,16 +160,12 @@ def markdown(rows: list[TargetRow], time_limit_s: float, wall_s: float, presolve
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
+    parser = table_arguments(__doc__.splitlines()[0], MODELS)
     parser.add_argument("--time-limit-s", type=float, default=90.0, help="HiGHS time limit of each bound")
-    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
     parser.add_argument("--no-presolve", action="store_true",
                         help="HiGHS without presolve (Llama's account got no bound in 300 s with it)")
     parser.add_argument("--segments-only", action="store_true",
                         help="bound plans of whole segments only (no kept outputs): a smaller model")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
     args = parser.parse_args()
     benchmark_logging()
     torch.set_num_threads(args.threads)
