@@ -519,3 +519,9 @@ def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     assert default.solver.endswith("+ exact")
     assert default.recompute_ms < 0.9 * ilp.recompute_ms
     assert default.predicted_peak_bytes == simulate(g, default.segments).peak_bytes <= budget
+    # a search stopped by exact_s before its first candidate keeps the ILP's plan
+    cut_short = solve(g, budget, exact_s=1e-3)
+    assert cut_short.recompute_ms <= ilp.recompute_ms + 1e-9
+    assert cut_short.predicted_peak_bytes == simulate(g, cut_short.segments).peak_bytes <= budget
+    with pytest.raises(InputError, match="exact_s"):
+        solve(g, budget, exact_s=0)
