@@ -207,6 +207,10 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling PATH (runs code from the file)")
     parser.add_argument("--max-stages", type=int, default=32)
+    _add_exact_option(parser)
+
+
+def _add_exact_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
                              "large graphs; by default it runs under 64 compute nodes, and under 512 where "
@@ -255,10 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")
     plan.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
     plan.add_argument("--max-stages", type=int, default=32)
-    plan.add_argument("--exact", action="store_true",
-                        help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
-                             "large graphs; by default it runs under 64 compute nodes, and under 512 where "
-                             "the first plan leaves over 1 %% of the budget unused)")
+    _add_exact_option(plan)
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.set_defaults(func=_plan_command)
     return parser
