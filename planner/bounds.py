@@ -60,7 +60,7 @@ from planner.rerun import after_last_save_fraction, after_last_save_time_fractio
 from planner.simulate import SimulationResult, simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
-__all__ = ["LowerBound", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound",
+__all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound",
            "milp_dual_bound", "recompute_lower_bound_ms"]
 
 log = logging.getLogger(__name__)
@@ -137,55 +137,80 @@ def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") 
     return full * (1.0 - after_last_save_time_fraction(graph, node))
 
 
+class StorageUses:
+    """Who makes, reads and saves each storage of ``graph``, as both covering bounds see it.
+
+    ``freeable`` lists the saved storages a plan can free (made and saved by rerunnable nodes
+    only, neither persistent nor returned) as ``(first saver's position, maker, MiB, storage,
+    savers)``; ``transient_keys`` the storages nothing saves that rerunnable nodes read.
+    Positions index ``graph.nodes``.
+    """
+
+    def __init__(self, graph: CostGraph) -> None:
+        self.sizes = graph.storage_by_key
+        self.persistent = {k for k, s in self.sizes.items() if s.persistent}
+        self.position = {n.name: i for i, n in enumerate(graph.nodes)}
+        values = {n.name: tuple(k for k in n.output_storages if k not in self.persistent) for n in graph.nodes}
+        returned = {k for name in graph.output_names for k in values[name]}
+        self.maker: dict[int, str] = {}
+        self.savers: dict[int, set[str]] = {}
+        #: the last position reading each storage, as the simulator frees storages nothing saved
+        self.last_use: dict[int, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for k in (*node.output_storages, *node.saved_storages):
+                self.maker.setdefault(k, node.name)
+            for k in node.saved_storages:
+                self.savers.setdefault(k, set()).add(node.name)
+            for k in (*values[node.name], *(k for name in node.input_names for k in values[name])):
+                self.last_use[k] = max(self.last_use.get(k, i), i)
+        self.inputs_of = {n.name: {k for name in n.input_names for k in values[name]} for n in graph.nodes}
+        self.rerunnable = {n.name for n in graph.compute_nodes if n.recomputable}
+        #: storage -> the rerunnable nodes reading it
+        self.readers: dict[int, list[str]] = {}
+        for n in graph.compute_nodes:
+            if n.name in self.rerunnable:
+                for k in self.inputs_of[n.name]:
+                    self.readers.setdefault(k, []).append(n.name)
+        self.freeable: list[tuple[int, str, float, int, set[str]]] = []
+        for k, names in self.savers.items():
+            if (k in self.persistent or k in returned or self.maker[k] not in self.rerunnable
+                    or not names <= self.rerunnable):
+                continue
+            self.freeable.append((min(self.position[n] for n in names), self.maker[k],
+                                  self.sizes[k].size_bytes / MIB, k, names))
+        self.transient_keys = [k for k in self.maker if k not in self.persistent and k not in returned
+                               and k not in self.savers and k in self.readers]
+
+    def add_transients(self, prob: pulp.LpProblem, rerun: dict[str, pulp.LpVariable]
+                       ) -> list[tuple[int, pulp.LpVariable, float]]:
+        """Add to ``prob`` whether each transient is held for a rerun reader whose maker does
+        not rerun: ``(last use, held variable, MiB)`` per transient."""
+        transients = []
+        for k in self.transient_keys:
+            held = prob.add_variable(f"held_{k}", lowBound=0, upBound=1)
+            for r in self.readers[k]:
+                prob += (held >= rerun[r] - rerun.get(self.maker[k], 0), f"hold_{k}_for_{r}")
+            transients.append((self.last_use[k], held, self.sizes[k].size_bytes / MIB))
+        return transients
+
+
 class _CoveringModel:
     """The covering ILP of the module docstring for one graph and budget."""
 
     def __init__(self, graph: CostGraph, unoptimized: SimulationResult, budget_bytes: int, objective: str,
                  max_moments: int) -> None:
-        sizes = graph.storage_by_key
-        persistent = {k for k, s in sizes.items() if s.persistent}
-        position = {n.name: i for i, n in enumerate(graph.nodes)}
-        values = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in graph.nodes}
-        returned = {k for name in graph.output_names for k in values[name]}
-        maker: dict[int, str] = {}
-        savers: dict[int, set[str]] = {}
-        last_use: dict[int, int] = {}  # as the simulator frees storages nothing saved
-        for i, node in enumerate(graph.nodes):
-            for k in (*node.output_storages, *node.saved_storages):
-                maker.setdefault(k, node.name)
-            for k in node.saved_storages:
-                savers.setdefault(k, set()).add(node.name)
-            for k in (*values[node.name], *(k for name in node.input_names for k in values[name])):
-                last_use[k] = max(last_use.get(k, i), i)
-        self.inputs_of = {n.name: {k for name in n.input_names for k in values[name]} for n in graph.nodes}
-        rerunnable = {n.name for n in graph.compute_nodes if n.recomputable}
-        readers: dict[int, list[str]] = {}  # storage -> the rerunnable nodes reading it
-        for n in graph.compute_nodes:
-            if n.name in rerunnable:
-                for k in self.inputs_of[n.name]:
-                    readers.setdefault(k, []).append(n.name)
+        uses = StorageUses(graph)
+        position = uses.position
+        self.inputs_of = uses.inputs_of
         self.prob = pulp.LpProblem("recompute_lower_bound", pulp.LpMinimize)
         self.x = {name: self.prob.add_variable(f"rerun_{i}", cat=pulp.LpBinary)
-                  for i, name in enumerate(sorted(rerunnable))}
+                  for i, name in enumerate(sorted(uses.rerunnable))}
         self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
                                           for name, v in self.x.items()))
         # saved storages a plan can free: (first saver's position, maker, MiB, storage, savers)
-        self.freeable: list[tuple[int, str, float, int, set[str]]] = []
-        for k, names in savers.items():
-            if k in persistent or k in returned or maker[k] not in rerunnable or not names <= rerunnable:
-                continue
-            self.freeable.append((min(position[n] for n in names), maker[k], sizes[k].size_bytes / MIB, k, names))
+        self.freeable = uses.freeable
         # transients a rerun reader makes the plan hold: (last use, held variable, MiB)
-        self.transients: list[tuple[int, pulp.LpVariable, float]] = []
-        for k, made_by in maker.items():
-            if k in persistent or k in returned or k in savers:
-                continue
-            if k not in readers:
-                continue
-            held = self.prob.add_variable(f"held_{k}", lowBound=0, upBound=1)
-            for r in readers[k]:
-                self.prob += (held >= self.x[r] - self.x.get(made_by, 0), f"hold_{k}_for_{r}")
-            self.transients.append((last_use[k], held, sizes[k].size_bytes / MIB))
+        self.transients = uses.add_transients(self.prob, self.x)
         #: a moment where nothing can be freed and the budget is exceeded: no plan fits
         self.infeasible = False
         moments = [m for m in unoptimized.timeline if m[2] > budget_bytes]

@@ -10,7 +10,8 @@ directory, or, with ``--trust-pickle``, a whole pickled module), profiles one tr
 reports the unoptimized peak, the plan at the budget, the largest activations and, with
 ``--sweep``, the memory/overhead Pareto front, and a lower bound on the recompute time any plan
 needs at the budget (:mod:`planner.reach`: the covering bound, or with ``--bound-s`` also the
-segment account solved for that long; ``--no-bound`` leaves it out). ``plan`` does the same planning for a Python
+segment covering bound and the segment account, each solved for up to that long; ``--no-bound``
+leaves it out). ``plan`` does the same planning for a Python
 entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
 
 Exit codes: 0 plan found, 2 usage or input error, 3 budget infeasible (the message names the
@@ -232,7 +233,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--bound-s", type=float, default=0.0, metavar="SECONDS",
                         help="the report always gives a quick lower bound on the recompute time any plan (kept "
                              "outputs included) needs at the budget (the covering bound, seconds at most); this "
-                             "also solves the segment account for up to SECONDS (HiGHS), often a tighter bound")
+                             "also solves the segment covering bound and the segment account, each for up to SECONDS "
+                             "(HiGHS), which know what a recompute holds in the backward: often a tighter bound")
     report.add_argument("--no-bound", action="store_true", help="skip the lower bound")
     report.add_argument("--target", dest="target_device", metavar="DEVICE",
                         help="plan for another device without running there: profile on fake tensors (bytes "

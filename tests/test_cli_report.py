@@ -205,8 +205,8 @@ def test_exact_flag_proves_or_improves_the_plan_on_a_larger_graph(saved):
 def test_bound_flag_reports_the_least_possible_recompute_below_the_plan(saved):
     """Every report gives a lower bound on the recompute time of any plan at the budget (kept
     outputs included), the covering bound unless ``--no-bound``; ``--bound-s`` also solves the
-    segment account, which can only raise it: positive (the budget needs recompute), at most
-    the plan's, and shown in the text summary."""
+    segment covering bound and the segment account, which can only raise it (tests/test_reach.py):
+    positive (the budget needs recompute), at most the plan's, and shown in the text summary."""
     root, _, _ = saved
     result = cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json", "--bound-s", "20")
     assert result.returncode == 0, result.stderr
@@ -220,6 +220,7 @@ def test_bound_flag_reports_the_least_possible_recompute_below_the_plan(saved):
     assert "by any plan" in line and "of segments" not in line, line
     quick = json.loads(cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json").stdout)
     assert quick["lower_bound"]["method"].startswith("covering ILP"), quick["lower_bound"]
-    assert 0 < quick["lower_bound"]["recompute_ms"] <= bound["recompute_ms"] + 1e-9
+    # each run profiles afresh (a loaded machine can change the times): compare within a run
+    assert 0 < quick["lower_bound"]["recompute_ms"] <= quick["plan"]["recompute_ms"] + 1e-9
     skipped = cli("report", str(root / "small.pt2"), "--budget-gb", "0.002", "--format", "json", "--no-bound")
     assert json.loads(skipped.stdout)["lower_bound"] is None
