@@ -181,15 +181,18 @@ class StorageUses:
         self.transient_keys = [k for k in self.maker if k not in self.persistent and k not in returned
                                and k not in self.savers and k in self.readers]
 
-    def add_transients(self, prob: pulp.LpProblem, rerun: dict[str, pulp.LpVariable]
-                       ) -> list[tuple[int, pulp.LpVariable, float]]:
-        """Add to ``prob`` whether each transient is held for a rerun reader whose maker does
-        not rerun: ``(last use, held variable, MiB)`` per transient."""
+    def add_transients(self, prob: pulp.LpProblem, rerun: dict[str, pulp.LpVariable],
+                       kept: dict[str, pulp.LpVariable] | None = None) -> list[tuple[int, pulp.LpVariable, float]]:
+        """Add to ``prob`` whether each transient is held: for a rerun reader whose maker does
+        not rerun, or (``kept``: a selective policy keeps that node) because its maker is kept.
+        Returns ``(last use, held variable, MiB)`` per transient."""
         transients = []
         for k in self.transient_keys:
             held = prob.add_variable(f"held_{k}", lowBound=0, upBound=1)
             for r in self.readers[k]:
                 prob += (held >= rerun[r] - rerun.get(self.maker[k], 0), f"hold_{k}_for_{r}")
+            if kept and self.maker[k] in kept:
+                prob += held >= kept[self.maker[k]], f"hold_{k}_kept"
             transients.append((self.last_use[k], held, self.sizes[k].size_bytes / MIB))
         return transients
 

@@ -93,8 +93,15 @@ class _SegmentCoveringModel:
         self.prob = pulp.LpProblem("segment_covering_bound", pulp.LpMinimize)
         ordered = sorted(uses.rerunnable, key=self.rank.__getitem__)
         self.x = {name: self.prob.add_variable(f"rerun_{self.rank[name]}", cat=pulp.LpBinary) for name in ordered}
+        #: kept by a selective policy (not rerun; what it made stays held until its segment's recompute)
+        self.kept = {name: self.prob.add_variable(f"kept_{self.rank[name]}", cat=pulp.LpBinary)
+                     for name in ordered if kept_outputs and graph.node(name).selective_save}
+        for name, kept in self.kept.items():
+            self.prob += kept + self.x[name] <= 1, f"kept_{self.rank[name]}_is_not_rerun"
+        policy_ms = graph.selective_overhead_ms_per_node if objective == "time" else 0.0
         self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
-                                          for name, v in self.x.items()))
+                                          for name, v in self.x.items())
+                               + pulp.lpSum(policy_ms * kept for kept in self.kept.values()))
         self.brk = [self.prob.add_variable(f"break_after_{k}", cat=pulp.LpBinary) for k in range(len(compute) - 1)]
 
         #: per freeable storage: dropped in the forward; contiguous from its maker to each saver
@@ -103,8 +110,8 @@ class _SegmentCoveringModel:
         self.contiguous: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
         self.held_for: dict[int, list[tuple[int, pulp.LpVariable]]] = {}
         for _, maker, _, k, savers in uses.freeable:
-            self._add_storage(compute, k, maker, savers, kept_outputs)
-        self.transients = uses.add_transients(self.prob, self.x)
+            self._add_storage(compute, k, maker, savers)
+        self.transients = uses.add_transients(self.prob, self.x, self.kept)
 
         self.infeasible = False
         self.gone_variables = 0
@@ -115,7 +122,7 @@ class _SegmentCoveringModel:
             if self.infeasible:
                 break
 
-    def _add_storage(self, compute: list, k: int, maker: str, savers: set[str], kept_outputs: bool) -> None:
+    def _add_storage(self, compute: list, k: int, maker: str, savers: set[str]) -> None:
         prob, x, brk = self.prob, self.x, self.brk
         made = self.rank[maker]
         dropped = prob.add_variable(f"dropped_{k}", lowBound=0, upBound=1)
@@ -131,8 +138,9 @@ class _SegmentCoveringModel:
                 between = compute[b]
                 if between.name not in x:
                     prob += together <= 0, f"contiguous_{k}_to_{saver}_not_rerunnable_{b}"
-                elif b != made and not (kept_outputs and between.selective_save):
-                    prob += together <= x[between.name], f"contiguous_{k}_to_{saver}_reruns_{b}"
+                elif b != made:
+                    prob += (together <= x[between.name] + self.kept.get(between.name, 0),
+                             f"contiguous_{k}_to_{saver}_reruns_{b}")
             chain.append((saver, together))
             previous = saver
         if chain:
