@@ -60,8 +60,9 @@ from planner.rerun import after_last_save_fraction, after_last_save_time_fractio
 from planner.simulate import SimulationResult, simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
-__all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost", "lp_relaxation_bound",
-           "milp_dual_bound", "recompute_lower_bound_ms"]
+__all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost",
+           "lp_relaxation_bound", "milp_dual_bound", "proven_bound", "recompute_lower_bound_ms",
+           "settled_without_solving"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,29 @@ def lp_relaxation_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[floa
     if relaxed.status != pulp.LpStatusOptimal:
         return 0.0, False, f"LP relaxation not solved (CBC: {pulp.LpStatus[relaxed.status]})"
     return max(0.0, float(pulp.value(relaxed.objective) or 0.0)), False, "LP relaxation (CBC)"
+
+
+def settled_without_solving(graph: CostGraph, budget_bytes: int) -> tuple[SimulationResult, LowerBound | None]:
+    """The unoptimized replay, and the bound when no solve is needed: 0 when the unoptimized
+    step fits, ``inf`` when parameters and inputs alone exceed the budget (else None)."""
+    unoptimized = simulate(graph)
+    if unoptimized.peak_bytes <= budget_bytes:
+        return unoptimized, LowerBound(0.0, "nothing to free")
+    if sum(s.size_bytes for s in graph.storages if s.persistent) > budget_bytes:
+        return unoptimized, LowerBound(math.inf, "parameters and inputs alone exceed the budget")
+    return unoptimized, None
+
+
+def proven_bound(prob: pulp.LpProblem, time_limit_s: float, solver: str | None) -> tuple[float, str]:
+    """A proven lower bound on ``prob``'s optimum and how: HiGHS's dual bound within the 0.01 %
+    gap or after ``time_limit_s`` (where installed, unless ``solver="CBC"``), else, or when
+    HiGHS stops before proving any, the LP relaxation (CBC)."""
+    if solver != "CBC" and "HiGHS" in available_solvers():
+        value, _, method = milp_dual_bound(prob, time_limit_s, gap=1e-4)
+        if "no bound" not in method:
+            return value, method
+    value, _, method = lp_relaxation_bound(prob, time_limit_s)
+    return value, method
 
 
 def check_bound_arguments(objective: str, budget_bytes: int, time_limit_s: float) -> None:
@@ -251,8 +275,8 @@ def covering_bound(
     """The least recompute time (ms) or FLOPs any plan fitting ``budget_bytes`` needs, by the
     covering ILP of the module docstring over the ``max_moments`` fullest moments of the
     unoptimized step (fewer moments can only lower it): HiGHS's dual bound after at most
-    ``time_limit_s`` (where installed, unless ``solver="CBC"``), else the LP relaxation. ``inf``
-    when no plan fits by this account, 0 when the unoptimized step fits.
+    ``time_limit_s`` (where installed, unless ``solver="CBC"``; see :func:`proven_bound`), else the
+    LP relaxation. ``inf`` when no plan fits by this account, 0 when the unoptimized step fits.
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -267,18 +291,13 @@ def covering_bound(
     """
     check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
-    unoptimized = simulate(graph)
-    if unoptimized.peak_bytes <= budget_bytes:
-        return LowerBound(0.0, "nothing to free")
-    if sum(s.size_bytes for s in graph.storages if s.persistent) > budget_bytes:
-        return LowerBound(math.inf, "parameters and inputs alone exceed the budget")
+    unoptimized, settled = settled_without_solving(graph, budget_bytes)
+    if settled is not None:
+        return settled
     model = _CoveringModel(graph, unoptimized, budget_bytes, objective, max_moments)
     if model.infeasible:
         return LowerBound(math.inf, "nothing freeable at a moment over the budget")
-    if solver != "CBC" and "HiGHS" in available_solvers():
-        value, _, method = milp_dual_bound(model.prob, time_limit_s, gap=1e-4)
-    else:
-        value, _, method = lp_relaxation_bound(model.prob, time_limit_s)
+    value, method = proven_bound(model.prob, time_limit_s, solver)
     log.info("covering bound (%s): %s over %d moments, %d nodes, %d transients, %.2f s", objective, value,
              len(model.moments), len(model.x), len(model.transients), time.perf_counter() - started)
     return LowerBound(value, f"covering ILP: {method}")

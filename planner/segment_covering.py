@@ -33,6 +33,7 @@ half again the covering bound's.
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
     >>> from planner.bounds import covering_bound
+    >>> from planner.simulate import simulate
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):  # a chain of six 1 MiB nodes, each saving its own output
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -60,12 +61,11 @@ from planner.bounds import (
     StorageUses,
     check_bound_arguments,
     least_rerun_cost,
-    lp_relaxation_bound,
-    milp_dual_bound,
+    proven_bound,
+    settled_without_solving,
 )
 from planner.costgraph import CostGraph
-from planner.simulate import SimulationResult, simulate
-from planner.solve import available_solvers
+from planner.simulate import SimulationResult
 
 __all__ = ["segment_covering_bound"]
 
@@ -226,20 +226,13 @@ def segment_covering_bound(
     """
     check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()
-    unoptimized = simulate(graph)
-    if unoptimized.peak_bytes <= budget_bytes:
-        return LowerBound(0.0, "nothing to free")
-    if sum(s.size_bytes for s in graph.storages if s.persistent) > budget_bytes:
-        return LowerBound(math.inf, "parameters and inputs alone exceed the budget")
+    unoptimized, settled = settled_without_solving(graph, budget_bytes)
+    if settled is not None:
+        return settled
     model = _SegmentCoveringModel(graph, unoptimized, budget_bytes, objective, max_moments, kept_outputs)
     if model.infeasible:
         return LowerBound(math.inf, "nothing freeable at a moment over the budget")
-    if solver != "CBC" and "HiGHS" in available_solvers():
-        value, _, method = milp_dual_bound(model.prob, time_limit_s, gap=1e-4)
-        if "no bound" in method:  # stopped before its root relaxation: solve that alone
-            value, _, method = lp_relaxation_bound(model.prob, time_limit_s)
-    else:
-        value, _, method = lp_relaxation_bound(model.prob, time_limit_s)
+    value, method = proven_bound(model.prob, time_limit_s, solver)
     log.info("segment covering bound (%s%s): %s over %d moments, %d nodes, %d storage-moment variables, %.1f s",
              objective, "" if kept_outputs else ", segments only", value, len(model.moments), len(model.x),
              model.gone_variables, time.perf_counter() - started)
