@@ -64,7 +64,7 @@ from planner.bounds import (
     proven_bound,
     settled_without_solving,
 )
-from planner.costgraph import CostGraph
+from planner.costgraph import CostGraph, CostNode
 from planner.simulate import SimulationResult
 
 __all__ = ["segment_covering_bound"]
@@ -122,7 +122,7 @@ class _SegmentCoveringModel:
             if self.infeasible:
                 break
 
-    def _add_storage(self, compute: list, k: int, maker: str, savers: set[str]) -> None:
+    def _add_storage(self, compute: list[CostNode], k: int, maker: str, savers: set[str]) -> None:
         prob, x, brk = self.prob, self.x, self.brk
         made = self.rank[maker]
         dropped = prob.add_variable(f"dropped_{k}", lowBound=0, upBound=1)

@@ -160,3 +160,18 @@ def brute_force(g: CostGraph, budget: int, objective: str = "time",
 
 def _subsets(names: list[str]) -> list[tuple[str, ...]]:
     return [c for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
+
+
+def every_plan(g: CostGraph, kept_outputs: bool = True) -> list[tuple[int, float, int]]:
+    """``(simulated peak, recompute ms, recompute FLOPs)`` of every plan of segments, and with
+    ``kept_outputs`` of every subset of each segment's keepable nodes too."""
+    compute = [n.name for n in g.compute_nodes]
+    plans = []
+    for runs in all_run_sets(len(compute)):
+        names = [compute[a : b + 1] for a, b in runs]
+        choices = [_subsets(keepable_in_segment(g, seg)) if kept_outputs else [()] for seg in names]
+        for kept in itertools.product(*choices):
+            segments = [segment_with_kept(g, seg, set(k)) for seg, k in zip(names, kept)]
+            plans.append((simulate(g, segments).peak_bytes, sum(s.recompute_ms for s in segments),
+                          sum(s.recompute_flops for s in segments)))
+    return plans

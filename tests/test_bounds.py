@@ -7,33 +7,15 @@ needs, and the storages a node's backward reads (standard library and PuLP only:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import pytest
 
-from graphs import MIB, all_run_sets, random_dag
+from graphs import MIB, every_plan, random_dag
 from planner.bounds import covering_bound, least_rerun_cost, recompute_lower_bound_ms
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import InputError
-from planner.keep import keepable_in_segment, segment_with_kept
 from planner.simulate import simulate
-
-
-def _every_plan(g: CostGraph) -> list[tuple[int, float, int]]:
-    """``(simulated peak, recompute ms, recompute FLOPs)`` of every plan: every set of segments,
-    every subset of each segment's keepable nodes."""
-    compute = [n.name for n in g.compute_nodes]
-    plans = []
-    for runs in all_run_sets(len(compute)):
-        names = [compute[a : b + 1] for a, b in runs]
-        choices = [[c for r in range(len(keepable) + 1) for c in itertools.combinations(keepable, r)]
-                   for keepable in (keepable_in_segment(g, seg) for seg in names)]
-        for kept in itertools.product(*choices):
-            segments = [segment_with_kept(g, seg, set(k)) for seg, k in zip(names, kept)]
-            plans.append((simulate(g, segments).peak_bytes, sum(s.recompute_ms for s in segments),
-                          sum(s.recompute_flops for s in segments)))
-    return plans
 
 
 @pytest.mark.parametrize("objective", ["time", "flops"])
@@ -44,7 +26,7 @@ def test_never_above_the_cheapest_plan_that_fits_and_infeasible_only_where_none_
         g = random_dag(seed, 5 + seed % 3)
         if seed % 2:
             g = dataclasses.replace(g, selective_overhead_ms_per_node=0.05)
-        plans = _every_plan(g)
+        plans = every_plan(g)
         unoptimized = simulate(g).peak_bytes
         peaks = sorted({peak for peak, _, _ in plans if peak < unoptimized})
         min_peak = min(peak for peak, _, _ in plans)
@@ -89,7 +71,7 @@ def test_a_rerun_node_pays_for_the_transients_it_reads():
     rerun too (25 ms)."""
     g = _gelu_like()
     assert simulate(g).peak_bytes == 34 * MIB
-    plans = _every_plan(g)
+    plans = every_plan(g)
     assert least_rerun_cost(g, g.node("t")) == 1.0
     for budget_mib, expected_ms in ((27, 5.0), (26, 25.0)):
         best = min(ms for peak, ms, _ in plans if peak <= budget_mib * MIB)
@@ -105,7 +87,7 @@ def test_a_budget_the_backward_cannot_meet_is_infeasible():
         nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
                               saved_storages=(i,), output_bytes=100, requires_grad=True, time_ms=ms))
     g = CostGraph(tuple(nodes), (Storage(0, 100, True), *(Storage(i, 100) for i in (1, 2, 3))), ("n3",))
-    plans = _every_plan(g)
+    plans = every_plan(g)
     assert min(peak for peak, _, _ in plans) == 500
     assert recompute_lower_bound_ms(g, 500) == min(ms for peak, ms, _ in plans if peak <= 500) == 4.0
     assert math.isinf(recompute_lower_bound_ms(g, 450))

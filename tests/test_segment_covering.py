@@ -7,40 +7,21 @@ Llama's profile at checkpoint-every-layer's peak proves far more than the coveri
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from pathlib import Path
 
 import pytest
-from graphs import MIB, all_run_sets, random_dag
+from graphs import MIB, every_plan, random_dag
 
 from planner.bounds import covering_bound
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import InputError
-from planner.keep import keepable_in_segment, segment_with_kept
 from planner.rerun import rerun_cost
 from planner.segment_covering import segment_covering_bound
 from planner.simulate import simulate
 from planner.solve import available_solvers
 
 needs_highs = pytest.mark.skipif("HiGHS" not in available_solvers(), reason="HiGHS is not installed")
-
-
-def _every_plan(g: CostGraph, kept_outputs: bool) -> list[tuple[int, float, int]]:
-    """``(simulated peak, recompute ms, recompute FLOPs)`` of every plan of segments, and with
-    ``kept_outputs`` of every subset of each segment's keepable nodes too."""
-    compute = [n.name for n in g.compute_nodes]
-    plans = []
-    for runs in all_run_sets(len(compute)):
-        names = [compute[a : b + 1] for a, b in runs]
-        choices = [[c for r in range(len(keepable) + 1) for c in itertools.combinations(keepable, r)]
-                   if kept_outputs else [()]
-                   for keepable in (keepable_in_segment(g, seg) for seg in names)]
-        for kept in itertools.product(*choices):
-            segments = [segment_with_kept(g, seg, set(k)) for seg, k in zip(names, kept)]
-            plans.append((simulate(g, segments).peak_bytes, sum(s.recompute_ms for s in segments),
-                          sum(s.recompute_flops for s in segments)))
-    return plans
 
 
 @needs_highs
@@ -53,7 +34,7 @@ def test_never_above_the_cheapest_plan_never_below_the_covering_bound(kept_outpu
         g = random_dag(seed, 5 + seed % 3)
         if seed % 2:
             g = dataclasses.replace(g, selective_overhead_ms_per_node=0.05)
-        plans = _every_plan(g, kept_outputs)
+        plans = every_plan(g, kept_outputs)
         unoptimized = simulate(g).peak_bytes
         peaks = sorted({peak for peak, _, _ in plans if peak < unoptimized})
         for budget in [*peaks, min(peak for peak, _, _ in plans) - 1]:
@@ -88,7 +69,7 @@ def test_a_recompute_that_brings_its_segment_back_proves_a_budget_infeasible():
     segment again, and no plan fits (brute force agrees); at 6 MiB both bounds find the 3 ms the
     cheapest plan needs."""
     g = _chain(6)
-    plans = _every_plan(g, kept_outputs=False)
+    plans = every_plan(g, kept_outputs=False)
     assert min(peak for peak, _, _ in plans) == 6 * MIB
     assert covering_bound(g, 5 * MIB).value == pytest.approx(4.0)
     assert math.isinf(segment_covering_bound(g, 5 * MIB).value)
