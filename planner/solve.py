@@ -64,10 +64,15 @@ MIB = float(2**20)
 #: of the ILP (the last few tenths of a percent take most of the solve time).
 MIP_GAP = 0.01
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-#: the second ILP, on finer stages, stops after this many branch-and-bound nodes (an effort
-#: limit: the same plan on every machine) or seconds
+#: each ILP on finer stages stops after this many branch-and-bound nodes (an effort limit: the
+#: same plan on every machine); all of them together stop after this many seconds (a guard)
 FINER_PASS_NODES = 100
 FINER_PASS_S = 20.0
+#: how many times the stages are doubled after the first ILP, while each doubling finds a cheaper
+#: plan: on a 12-layer GPT-2 (550 compute nodes) at half its peak the second doubling cut the
+#: predicted recompute from 18.2 % to 15.2 % of the step in 2.4 s more, on the 1,000-node graph of
+#: ``benchmarks/solve_time.py`` from 18.1 % to 9.4 % in 3.9 s more (README, "How the planner decides")
+FINER_PASS_ROUNDS = 2
 #: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
 #: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
 #: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
@@ -450,10 +455,16 @@ def _solve_ilp(
     for a, b in segs:
         for j in range(a, b + 1):
             covering[j].append((a, b))
-    cov = [pulp.lpSum(y[s] for s in covering[j]) for j in range(k_count)]
+    # recomputed[j]: stage j is in a chosen segment (at most one). A variable of its own, so that
+    # the many terms that read it hold one coefficient each instead of a sum over the segments
+    cov: list[Any] = []
     for j in range(k_count):
         if covering[j]:
-            prob += cov[j] <= 1, f"one_segment_covers_stage_{j}"
+            c = _variable(prob, f"recomputed_{j}", lowBound=0, upBound=1)
+            prob += c == pulp.lpSum(y[s] for s in covering[j]), f"one_segment_covers_stage_{j}"
+            cov.append(c)
+        else:
+            cov.append(0)
     keep = {(j, o): _variable(prob, f"keep_option_{o}_in_stage_{j}", cat="Binary")
             for j, options in enumerate(model.keep_options) for o in range(len(options))}
     for j, options in enumerate(model.keep_options):
@@ -472,40 +483,67 @@ def _solve_ilp(
     groups: dict[tuple[tuple[int, str, object], ...], list[int]] = {}
     for k, holders in model.holders.items():
         groups.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
-    held_terms: list[list[tuple[list[int], Any]]] = [[] for _ in range(k_count)]
-    for g, (holders, keys) in enumerate(groups.items()):
-        def holder_expr(kind: str, ref: Any) -> Any:
-            if kind == "saver":
-                return 1 - cov[ref]
-            if kind == "kept":
-                return keep[ref]
-            return y[ref]
 
+    def holder_expr(kind: str, ref: Any) -> Any:
+        if kind == "saver":
+            return 1 - cov[ref]
+        if kind == "kept":
+            return keep[ref]
+        return y[ref]
+
+    # what stage j's account adds: single-holder groups from their first stage on, through a
+    # running sum (one term each, not one per later stage), and one held variable per
+    # multi-holder group and stage up to its last holder's, then the last one in the running sum;
+    # ``crossing[j]``: held terms whose storages are live across j
+    # in the forward anyway (the forward account counts those in ``forward_live``)
+    single_from: list[list[Any]] = [[] for _ in range(k_count)]
+    held_terms: list[list[Any]] = [[] for _ in range(k_count)]
+    crossing: list[list[Any]] = [[] for _ in range(k_count)]
+    for g, (holders, keys) in enumerate(groups.items()):
+        mib = sum(model.sizes[k] for k in keys)
         first = min(pos for pos, _, _ in holders)
         if len(holders) == 1:
             expr = holder_expr(holders[0][1], holders[0][2])
+            single_from[first].append(mib * expr)
             for j in range(first, k_count):
-                held_terms[j].append((keys, expr))
+                live_mib = sum(model.sizes[k] for k in keys if k in model.forward_live_keys[j])
+                if live_mib:
+                    crossing[j].append(live_mib * expr)
             continue
         by_pos: dict[int, list[tuple[str, object]]] = {}
         for pos, kind, ref in holders:
             by_pos.setdefault(pos, []).append((kind, ref))
-        previous = None
+        last = max(by_pos)
+        h: Any = None
         for j in range(first, k_count):
-            h = _variable(prob, f"held_group_{g}_at_{j}", lowBound=0, upBound=1)
-            if previous is not None:
-                prob += h >= previous, f"held_group_{g}_stays_{j}"
-            for n, (kind, ref) in enumerate(by_pos.get(j, [])):
-                prob += h >= holder_expr(kind, ref), f"held_group_{g}_by_{kind}_{j}_{n}"
-            held_terms[j].append((keys, h))
-            previous = h
+            if j <= last:  # past its last holder a group's held value no longer changes
+                previous, h = h, _variable(prob, f"held_group_{g}_at_{j}", lowBound=0, upBound=1)
+                if previous is not None:
+                    prob += h >= previous, f"held_group_{g}_stays_{j}"
+                for n, (kind, ref) in enumerate(by_pos.get(j, [])):
+                    prob += h >= holder_expr(kind, ref), f"held_group_{g}_by_{kind}_{j}_{n}"
+                if j < last:
+                    held_terms[j].append(mib * h)
+                else:
+                    single_from[j].append(mib * h)
+            live_mib = sum(model.sizes[k] for k in keys if k in model.forward_live_keys[j])
+            if live_mib:
+                crossing[j].append(live_mib * h)
+    single_held: Any = 0
+    opened: Any = 0
     for j in range(k_count):
-        live = model.forward_live_keys[j]
-        stored = pulp.lpSum(sum(model.sizes[k] for k in keys) * h for keys, h in held_terms[j])
-        stored_not_live = pulp.lpSum(
-            sum(model.sizes[k] for k in keys if k not in live) * h for keys, h in held_terms[j]
-        )
-        open_segments = pulp.lpSum(y[s] for s in segs if s[0] <= j) * model.segment_overhead
+        if single_from[j]:
+            running = _variable(prob, f"held_by_one_holder_at_{j}", lowBound=0)
+            prob += running == single_held + pulp.lpSum(single_from[j]), f"held_by_one_holder_from_{j}"
+            single_held = running
+        starting = [y[s] for s in segs if s[0] == j]
+        if starting and model.segment_overhead:
+            count = _variable(prob, f"segments_started_by_{j}", lowBound=0)
+            prob += count == opened + pulp.lpSum(starting), f"segments_started_by_{j}"
+            opened = count
+        stored = single_held + pulp.lpSum(held_terms[j])
+        stored_not_live = stored - pulp.lpSum(crossing[j])
+        open_segments = opened * model.segment_overhead
         prob += (
             model.base + model.forward_live[j] + stored_not_live + model.forward_transient[j]
             + open_segments <= bound,
@@ -671,13 +709,17 @@ def solve(
     exact: bool | None = None,
     finer_s: float = FINER_PASS_S,
     exact_s: float = EXACT_SEARCH_S,
+    finer_rounds: int = FINER_PASS_ROUNDS,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
 
-    After the ILP on ``max_stages`` stages finds a plan, a second ILP on about twice as many
-    stages (every boundary of the first plan among them) runs for up to
-    :data:`FINER_PASS_NODES` nodes or ``finer_s`` seconds; the cheaper of the two is kept
-    (:func:`_on_finer_stages`; 0 turns it off). With ``exact`` too, the cheapest of the exact search's plan and the finer pass's.
+    After the ILP on ``max_stages`` stages finds a plan, an ILP on about twice as many stages
+    (every boundary of the plan among them) runs for up to :data:`FINER_PASS_NODES`
+    branch-and-bound nodes, and the cheaper plan is kept; this repeats, doubling the stages
+    again, up to ``finer_rounds`` times while each round finds a cheaper plan and the stages
+    are fewer than the compute nodes, for at most ``finer_s`` seconds in all
+    (:func:`_on_finer_stages`; ``finer_s=0`` or ``finer_rounds=0`` turns it off). With ``exact``
+    too, the cheapest of the exact search's plan and the finer passes'.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
     account, solved and checked against the simulator until a plan fits, which either proves
@@ -727,11 +769,13 @@ def solve(
     model = _stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
     ilp_found = plan is not None
+    if finer_rounds < 0:
+        raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
     finer = None
-    if plan is not None and finer_s > 0:
+    if plan is not None and finer_s > 0 and finer_rounds > 0:
         finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
                                  solver=solver, time_limit_s=min(finer_s, time_limit_s),
-                                 max_attempts=max_attempts, started=started)
+                                 max_attempts=max_attempts, started=started, rounds=finer_rounds)
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
         search_s = time_limit_s if exact else min(time_limit_s, exact_s)
@@ -764,7 +808,7 @@ def solve(
         try:
             plain = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                           max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact, finer_s=finer_s,
-                          exact_s=exact_s)
+                          exact_s=exact_s, finer_rounds=finer_rounds)
         except InfeasibleBudgetError:
             if plan is None:
                 raise
@@ -789,14 +833,18 @@ def _on_finer_stages(
     time_limit_s: float,
     max_attempts: int,
     started: float,
+    rounds: int = 1,
 ) -> Plan:
     """``plan`` (found on ``stage_count`` stages), or a cheaper one from the ILP on about twice
     as many stages, every boundary of ``plan`` among them and no segment longer than its
     longest, stopped after :data:`FINER_PASS_NODES` branch-and-bound nodes (HiGHS; CBC has no
-    such limit) or ``time_limit_s``. Finer stages let a segment end right after a node that
-    saves only its inputs (a linear: its matmul is never recomputed) where the coarse cuts could
-    not; on the residual MLP at half its peak the predicted recompute fell from 16.6 % to 13.0 %
-    of the step, on a 4-layer GPT-2 from 21 % to 16 %.
+    such limit); repeated on twice as many stages again, up to ``rounds`` times in all, while a
+    round finds a cheaper plan, the stages are fewer than the compute nodes and ``time_limit_s``
+    (for all rounds together) is not spent. Finer stages let a segment end right after a node
+    that saves only its inputs (a linear: its matmul is never recomputed) where the coarse cuts
+    could not; on the residual MLP at half its peak the predicted recompute fell from 16.6 % to
+    13.0 % of the step, on a 4-layer GPT-2 from 21 % to 16 %. Deeper graphs gain from a second
+    round (:data:`FINER_PASS_ROUNDS`).
 
     The search does not start from ``plan``: HiGHS 1.16 with presolve, given ``plan`` as a MIP
     start (``Highs.setSolution``), proved the start optimal at the root on a 4-layer GPT-2 at
@@ -804,13 +852,46 @@ def _on_finer_stages(
     plans 25 % cheaper within the node limit (without presolve the start was no trap, but
     100 nodes took 30 to 55 s).
     """
-    if not plan.segments:
+    deadline = time.perf_counter() + time_limit_s
+    best = plan
+    compute_count = len(graph.compute_nodes)
+    for _ in range(rounds):
+        left_s = deadline - time.perf_counter()
+        if not best.segments or stage_count >= compute_count or left_s <= 0:
+            break
+        finer, stage_count = _on_doubled_stages(graph, best, stage_count, budget_bytes, unoptimized,
+                                                selective=selective, solver=solver, time_limit_s=left_s,
+                                                max_attempts=max_attempts, started=started)
+        if finer is None or finer.recompute_ms >= best.recompute_ms:
+            break
+        log.info("the ILP on %d stages cut the recompute from %.2f to %.2f ms", stage_count, best.recompute_ms,
+                 finer.recompute_ms)
+        best = finer
+    if best is plan:
         return plan
+    return dataclasses.replace(best, solver=f"{best.solver} (finer stages)")
+
+
+def _on_doubled_stages(
+    graph: CostGraph,
+    plan: Plan,
+    stage_count: int,
+    budget_bytes: int,
+    unoptimized: int,
+    *,
+    selective: bool,
+    solver: str | None,
+    time_limit_s: float,
+    max_attempts: int,
+    started: float,
+) -> tuple[Plan | None, int]:
+    """One round of :func:`_on_finer_stages`: the ILP's plan on about ``2 * stage_count`` stages
+    (None when it finds none), and how many stages that was."""
     rank = {n.name: r for r, n in enumerate(graph.compute_nodes)}
     cuts = {rank[s.node_names[0]] for s in plan.segments} | {rank[s.node_names[-1]] + 1 for s in plan.segments}
     stages = build_stages(graph, 2 * stage_count, required_cuts=cuts)
     if len(stages) <= stage_count:
-        return plan
+        return None, len(stages)
     first = {st.node_names[0]: j for j, st in enumerate(stages)}
     last = {st.node_names[-1]: j for j, st in enumerate(stages)}
     longest = max(last[s.node_names[-1]] - first[s.node_names[0]] + 1 for s in plan.segments)
@@ -819,14 +900,12 @@ def _on_finer_stages(
         finer = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
                            node_limit=FINER_PASS_NODES)
     except SolverError as exc:
-        log.info("the ILP on %d stages found no plan in %g s (%s); keeping the plan on %d", len(stages),
+        log.info("the ILP on %d stages found no plan in %.3g s (%s); keeping the plan on %d", len(stages),
                  time_limit_s, exc, stage_count)
-        return plan
-    if finer is None or finer.recompute_ms >= plan.recompute_ms:
-        return plan
-    log.info("the ILP on %d stages cut the recompute from %.2f to %.2f ms", len(stages), plan.recompute_ms,
-             finer.recompute_ms)
-    return dataclasses.replace(finer, solver=f"{finer.solver} (finer stages)")
+        return None, len(stages)
+    if finer is not None:
+        finer = dataclasses.replace(finer, solver=finer.solver.removesuffix(" (tightened)"))
+    return finer, len(stages)
 
 
 def _with_kept_outputs(
