@@ -504,8 +504,10 @@ def test_the_exact_search_runs_by_default_on_mid_sized_graphs_only_where_the_ilp
 def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     """A profile of a 4-layer Llama (width 256, batch 4 x 256; 303 compute nodes) at 99 % of
     checkpoint-every-layer's measured peak (95,857,672 bytes; the planner's 1 % safety
-    margin): the ILP's plan left 3.4 % of the budget unused at 69.0 ms of recompute, the exact
-    search, now on by default there, finds a plan of 59.5 ms that fills it."""
+    margin): the ILP on 32 stages finds no plan, and the smallest-peak plan made cheaper by
+    local moves costs 69.0 ms of recompute (it left 3.4 % of the budget unused, or 0.7 %,
+    depending on which of two equally low smallest-peak plans HiGHS returns); the exact search,
+    on by default there, finds a plan of 59.5 ms that fills it."""
     if "HiGHS" not in solve_module.available_solvers():
         pytest.skip("HiGHS is not installed")
     from profiling.cache import load_profile
@@ -514,7 +516,6 @@ def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     assert solve_module.ALL_CUTS_BELOW <= len(g.compute_nodes) < solve_module.EXACT_BY_DEFAULT_BELOW
     budget = int(95_857_672 * 0.99)
     ilp = solve(g, budget, exact=False)
-    assert ilp.predicted_peak_bytes < budget * (1 - solve_module.EXACT_WHEN_UNUSED)
     default = solve(g, budget)
     assert default.solver.endswith("+ exact")
     assert default.recompute_ms < 0.9 * ilp.recompute_ms
