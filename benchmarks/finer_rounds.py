@@ -1,0 +1,117 @@
+"""Finer rounds on a deeper model: plans with one and with two rounds of doubled stages, measured.
+
+A 12-layer GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256; about 550 compute nodes) is
+profiled once. At each budget (a fraction of the measured unoptimized peak) the planner solves
+with ``finer_rounds=1`` (one ILP on about twice the first stages, the default before) and with
+the default (:data:`planner.solve.FINER_PASS_ROUNDS`), as ``optimize`` plans (1 % safety
+margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
+as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
+process).
+
+    python benchmarks/finer_rounds.py [--layers 12] [--fractions 0.7 0.5 0.3] [--repeats 5] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import GIB, MIB, ROOT, benchmark_logging, publish_table, step_time_ratios
+from models import gpt2
+
+from planner import optimize
+from planner.costgraph import CostGraph, protect_reads_before_writes
+from planner.plan import Plan
+from planner.solve import FINER_PASS_ROUNDS, solve
+from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, trace_module
+from rewrite.apply import CheckpointedModule, apply_plan
+
+log = logging.getLogger("finer_rounds")
+
+README_BEGIN = "<!-- benchmarks/finer_rounds.py --readme: begin -->"
+README_END = "<!-- benchmarks/finer_rounds.py --readme: end -->"
+SAFETY_MARGIN = 0.01
+
+
+@dataclasses.dataclass
+class Measured:
+    plan: Plan
+    module: torch.nn.Module
+    solve_s: float
+    peak_bytes: int
+    extra_flops: int
+    step_time: float = float("nan")
+
+
+def planned(graph: CostGraph, budget_bytes: int, finer_rounds: int) -> tuple[Plan, float]:
+    """The plan ``optimize`` would make at ``budget_bytes`` (no reserve, one rank), with
+    ``finer_rounds``, and its solve time."""
+    started = time.perf_counter()
+    plan = solve(protect_reads_before_writes(graph), int(budget_bytes * (1 - SAFETY_MARGIN)),
+                 finer_rounds=finer_rounds)
+    return dataclasses.replace(plan, budget_bytes=budget_bytes), time.perf_counter() - started
+
+
+def run(layers: int, fractions: list[float], repeats: int) -> str:
+    started = time.perf_counter()
+    model, example = gpt2(layers=layers)
+    inputs = StepInputs.from_example(example)
+    base_peak = measure_step_peak_bytes(model, inputs)
+    base_flops = measure_step_flops(model, inputs)
+    with tempfile.TemporaryDirectory(prefix="finer-rounds-") as cache_dir:
+        graph = optimize(model, example, budget_gb=4 * base_peak / GIB, cache_dir=cache_dir).cost_graph
+    lines = [
+        f"CPU, {torch.get_num_threads()} thread(s), torch {torch.__version__}, GPT-2 with {layers} layers "
+        f"({len(graph.compute_nodes)} compute nodes), unoptimized peak {base_peak / MIB:.1f} MiB, "
+        f"{repeats} interleaved timing repeats.\n",
+        "| budget | finer rounds | solve | segments | predicted overhead | measured peak | extra FLOPs | step time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for fraction in fractions:
+        budget = int(base_peak * fraction)
+        rows: list[tuple[int, Measured]] = []
+        for rounds in sorted({1, FINER_PASS_ROUNDS}):
+            plan, solve_s = planned(graph, budget, rounds)
+            module = CheckpointedModule(apply_plan(trace_module(model, example), plan), model, plan,
+                                        cost_graph=graph, example_inputs=example)
+            peak = measure_step_peak_bytes(module, inputs)
+            if peak > budget:
+                log.warning("%d rounds at %.0f %%: measured peak %d over the budget %d", rounds, 100 * fraction,
+                            peak, budget)
+            rows.append((rounds, Measured(plan, module, solve_s, peak, measure_step_flops(module, inputs) - base_flops)))
+        ratios = step_time_ratios([model, *(m.module for _, m in rows)], inputs, repeats)
+        for (rounds, measured), ratio in zip(rows, ratios[1:]):
+            measured.step_time = ratio
+            lines.append(
+                f"| {fraction:.0%} = {budget / MIB:.1f} MiB | {rounds}{' (default)' if rounds == FINER_PASS_ROUNDS else ''} "
+                f"| {measured.solve_s:.1f} s | {len(measured.plan.segments)} | +{measured.plan.overhead_ratio:.1%} "
+                f"| {measured.peak_bytes / MIB:.1f} MiB | +{measured.extra_flops / base_flops:.1%} | {ratio:.2f}x |")
+        log.info("%.0f %% done", 100 * fraction)
+    lines.append(f"\nWall time {(time.perf_counter() - started) / 60:.1f} min. Predicted overhead: the plan's "
+                 "recompute time over the profiled step.\n")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.7, 0.5, 0.3])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    args = parser.parse_args()
+    benchmark_logging()
+    torch.set_num_threads(args.threads)
+    text = run(args.layers, args.fractions, args.repeats)
+    publish_table(text, args.out, "finer_rounds.md", (README_BEGIN, README_END) if args.readme else None)
+
+
+if __name__ == "__main__":
+    main()
