@@ -47,12 +47,12 @@ import pulp
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
-from planner.keep import keep_outputs, keepable_in_segment, kept_storages, policy_ms, segment_with_kept
+from planner.keep import keep_outputs, keepable_in_segment, segment_with_kept
 from planner.highs import NO_PROBING, PlannerHiGHS, stopped_at_node_limit
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
-from planner.rerun import stage_run_costs
 from planner.simulate import simulate
+from planner.stage_model import StageModel, build_stage_model
 from planner.stages import Stage, build_stages
 
 __all__ = ["solve", "minimum_peak_plan", "available_solvers"]
@@ -73,6 +73,10 @@ FINER_PASS_S = 20.0
 #: predicted recompute from 18.2 % to 15.2 % of the step in 2.4 s more, on the 1,000-node graph of
 #: ``benchmarks/solve_time.py`` from 18.1 % to 9.4 % in 3.9 s more (README, "How the planner decides")
 FINER_PASS_ROUNDS = 2
+#: a finer round after the first runs only on at most this many candidate segments: the good
+#: second rounds had 1,242 to 1,540 (0.4 to 1.5 s), while on the 5,000-node graph's, with 3,968,
+#: HiGHS found no plan within the 17 s left of ``finer_s``
+FINER_ROUND_MAX_CANDIDATES = 2000
 #: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
 #: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
 #: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
@@ -86,51 +90,6 @@ EXACT_BY_DEFAULT_BELOW = 512
 EXACT_WHEN_UNUSED = 0.01
 #: seconds the exact search may take when it runs by default (``exact=None``)
 EXACT_SEARCH_S = 30.0
-
-
-@dataclass(frozen=True)
-class KeepOption:
-    """A set of nodes of one stage whose outputs a selective segment keeps from the forward:
-    the recompute time it saves and the storages it holds until the segment's recompute."""
-
-    node_names: frozenset[str]
-    saved_ms: float
-    held_storages: frozenset[int]
-    #: False when the option keeps the stage's last saving node: then the stage must not be
-    #: the last of its segment
-    ends_segment_allowed: bool = True
-
-
-@dataclass(frozen=True)
-class _StageModel:
-    """The numbers of the linear memory account, in MiB, and recompute times in ms.
-
-    Memory is accounted storage by storage. A storage stays held while any of its holders
-    has not run backward: a stage that saves it and is not recomputed, or a checkpointed
-    segment that takes it as an input. ``holders[k]`` lists ``(stage, kind, ref)`` with kind
-    ``"saver"`` (ref: the stage) or ``"input"`` (ref: the segment).
-    """
-
-    stages: list[Stage]
-    base: float
-    sizes: dict[int, float]
-    produced_at: dict[int, int]
-    forward_live: list[float]
-    forward_live_keys: list[set[int]]
-    holders: dict[int, list[tuple[int, str, object]]]
-    param_grads: list[float]
-    grads_in_flight: list[float]
-    forward_transient: list[float]
-    time_ms: list[float]
-    flops: list[int]
-    segments: list[tuple[int, int]]
-    #: recompute time and FLOPs of every candidate segment (:mod:`planner.rerun`)
-    run_ms: dict[tuple[int, int], float]
-    run_flops: dict[tuple[int, int], int]
-    recomputed: dict[tuple[int, int], float]
-    segment_overhead: float
-    #: per stage, the keep options a selective segment may use there (empty without selective)
-    keep_options: list[list[KeepOption]]
 
 
 def available_solvers() -> list[str]:
@@ -253,175 +212,8 @@ def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVaria
     return pulp.LpVariable(name, **kwargs)
 
 
-def _keep_options(graph: CostGraph, stage: Stage, returned: set[int]) -> list[KeepOption]:
-    """What a selective segment may keep in ``stage``: the outputs of its matmuls and
-    convolutions (keepable nodes with FLOPs), Megatron's selective recompute.
-
-    A segment's last node that saves something is never kept
-    (:func:`planner.keep.keepable_in_segment`), so there are two options: the nodes before
-    the stage's last saving node (allowed in any stage of a segment), and all of them (only in
-    a stage that does not end its segment). An option keeping every keepable node made the ILP
-    slower (46 s against 20 s on a 283-node GPT-2) and its plans no cheaper, so it is not
-    offered; the keep pass after the ILP (:func:`planner.keep.keep_outputs`) adds such nodes
-    one by one where they fit.
-
-    An option saves the time of the nodes it keeps less the selective policy's cost on the
-    stage's nodes (``graph.selective_overhead_ms_per_node``); options that save nothing net are
-    not offered. (The policy also slows the segment's other stages, which the ILP does not
-    count; the plan's cost, from :func:`planner.keep.segment_with_kept`, does.)
-    """
-    policy_cost_ms = policy_ms(graph, stage.node_names)
-    inner = keepable_in_segment(graph, stage.node_names)
-    every = [name for name in stage.node_names if graph.node(name).selective_save]
-    options: list[KeepOption] = []
-    for candidates, anywhere in ((inner, True), (every, False)):
-        chosen = [graph.node(name) for name in candidates]
-        chosen = [n for n in chosen if n.flops > 0 and n.time_ms > 0]
-        names = frozenset(n.name for n in chosen)
-        saved_ms = sum(n.time_ms for n in chosen) - policy_cost_ms
-        if not names or saved_ms <= 0 or any(o.node_names == names for o in options):
-            continue
-        held = frozenset(k for n in chosen for k in kept_storages(graph, n.name) if k not in returned)
-        options.append(KeepOption(names, saved_ms, held, ends_segment_allowed=anywhere))
-    return options
-
-
-def _stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages: int,
-                 selective: bool = False) -> _StageModel:
-    sizes_b = graph.storage_by_key
-    persistent = {k for k, s in sizes_b.items() if s.persistent}
-    stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
-    k_count = len(stages)
-    nodes = [n for n in graph.nodes if n.name in stage_of]
-    differentiable = {n.name for n in graph.nodes if n.requires_grad}
-
-    returned = {k for name in graph.output_names for k in graph.node(name).output_storages} - persistent
-    starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
-    base_bytes = graph.persistent_bytes + sum(sizes_b[k].size_bytes for k in returned)
-    base_bytes += sum(graph.node(n).output_bytes for n in starts)
-
-    produced_at: dict[int, int] = {}
-    last_read: dict[int, int] = {}
-    savers: dict[int, set[int]] = {}
-    reads: list[set[int]] = [set() for _ in stages]
-    saves: list[set[int]] = [set() for _ in stages]
-    time_ms = [0.0] * k_count
-    flops = [0] * k_count
-    transient = [0.0] * k_count
-    grads = [0.0] * k_count
-    for node in nodes:
-        j = stage_of[node.name]
-        time_ms[j] += node.time_ms
-        flops[j] += node.flops
-        for k in (*node.output_storages, *node.saved_storages):
-            if k not in persistent:
-                produced_at.setdefault(k, j)
-                last_read[k] = max(last_read.get(k, j), j)
-        for k in node.saved_storages:
-            if k not in persistent:
-                savers.setdefault(k, set()).add(j)
-                saves[j].add(k)
-        for name in node.input_names:
-            for k in graph.node(name).output_storages:
-                if k not in persistent:
-                    reads[j].add(k)
-                    last_read[k] = max(last_read.get(k, j), j)
-        transient[j] = max(transient[j], node.forward_peak_bytes / MIB, node.output_bytes / MIB)
-        if node.requires_grad:
-            inputs = sum(graph.node(n).output_bytes for n in set(node.input_names) if n in differentiable
-                         and graph.node(n).kind == "compute")
-            grads[j] = max(grads[j], (node.output_bytes + max(inputs, node.backward_peak_bytes)) / MIB)
-
-    # gradients of values made before stage j and read after it are held during j's backward
-    crossing_grads = [0.0] * k_count
-    for node in nodes:
-        if node.name not in differentiable or node.is_alias:
-            continue
-        p = stage_of[node.name]
-        readers = [stage_of[u.name] for u in nodes if node.name in u.input_names]
-        if readers:
-            for j in range(p + 1, max(readers)):
-                crossing_grads[j] += node.output_bytes / MIB
-    grads = [g + c for g, c in zip(grads, crossing_grads)]
-
-    param_last_stage: dict[int, int] = {}
-    param_bytes: dict[int, int] = {}
-    for node in nodes:
-        for name in node.input_names:
-            src = graph.node(name)
-            if src.kind == "param" and src.requires_grad and src.output_storages:
-                key = src.output_storages[0]
-                param_last_stage[key] = max(param_last_stage.get(key, -1), stage_of[node.name])
-                param_bytes[key] = src.output_bytes
-    param_grads = [0.0] * k_count
-    for key, j in param_last_stage.items():
-        for i in range(j + 1):
-            param_grads[i] += param_bytes[key] / MIB
-
-    forward_live = [0.0] * k_count
-    forward_live_keys: list[set[int]] = [set() for _ in stages]
-    for k, p in produced_at.items():
-        if k in returned:
-            continue
-        for j in range(p, last_read[k]):
-            forward_live[j] += sizes_b[k].size_bytes / MIB
-            forward_live_keys[j].add(k)
-
-    holders: dict[int, list[tuple[int, str, object]]] = {}
-    for k, qs in savers.items():
-        if k not in returned:
-            holders.setdefault(k, []).extend((q, "saver", q) for q in qs)
-    keep_options = [(_keep_options(graph, st, returned) if selective and st.recomputable else [])
-                    for st in stages]
-    for j, options in enumerate(keep_options):
-        for o, option in enumerate(options):
-            for k in option.held_storages:
-                produced_at.setdefault(k, j)
-                holders.setdefault(k, []).append((j, "kept", (j, o)))
-    segments: list[tuple[int, int]] = []
-    recomputed: dict[tuple[int, int], float] = {}
-    for a in range(k_count):
-        seen: set[int] = set()
-        fresh = 0.0
-        for j in range(a, k_count):
-            for k in saves[j]:
-                if k not in seen and produced_at[k] >= a:
-                    seen.add(k)
-                    fresh += sizes_b[k].size_bytes / MIB
-            recomputed[(a, j)] = fresh
-        inputs: set[int] = set()
-        for b in range(a, min(k_count, a + max_segment_stages)):
-            if not stages[b].recomputable:
-                break
-            segments.append((a, b))
-            inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
-            for k in inputs - returned:
-                holders.setdefault(k, []).append((a, "input", (a, b)))
-    run_ms, run_flops = stage_run_costs(graph, stages)
-    return _StageModel(
-        stages=stages,
-        base=base_bytes / MIB,
-        sizes={k: sizes_b[k].size_bytes / MIB for k in produced_at},
-        produced_at=produced_at,
-        forward_live=forward_live,
-        forward_live_keys=forward_live_keys,
-        holders=holders,
-        param_grads=param_grads,
-        grads_in_flight=grads,
-        forward_transient=transient,
-        time_ms=time_ms,
-        flops=flops,
-        segments=segments,
-        run_ms=run_ms,
-        run_flops=run_flops,
-        recomputed=recomputed,
-        segment_overhead=graph.segment_overhead_bytes / MIB,
-        keep_options=keep_options,
-    )
-
-
 def _solve_ilp(
-    model: _StageModel,
+    model: StageModel,
     budget_mib: float | None,
     solver_name: str | None,
     time_limit_s: float,
@@ -578,7 +370,7 @@ def _solve_ilp(
     return _IlpResult(sorted(chosen), name, gap, hit_time_limit, kept)
 
 
-def _segments(graph: CostGraph, model: _StageModel, chosen: list[tuple[int, int]],
+def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
               kept: frozenset[str] = frozenset()) -> list[Segment]:
     """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost,
     keeping the outputs of the nodes in ``kept`` that a selective policy can keep there."""
@@ -635,7 +427,7 @@ def minimum_peak_plan(
     _check_time_limit(time_limit_s)
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages))
+    model = build_stage_model(graph, stages, max_segment_stages=len(stages))
     unoptimized = simulate(graph).peak_bytes
     result = _solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
@@ -673,7 +465,7 @@ def _cost_search_on(graph: CostGraph, exact: bool | None, plan: Plan | None, bud
     return plan is None or plan.predicted_peak_bytes < budget_bytes * (1 - EXACT_WHEN_UNUSED)
 
 
-def _lowest_by_bisection(graph: CostGraph, model: _StageModel, segments: list[Segment], peak: int,
+def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Segment], peak: int,
                          solver: str | None, time_limit_s: float) -> tuple[list[Segment], int]:
     """Lower the smallest peak found by bisecting the budget with the optimistic account's
     search (:func:`planner.relaxation.search_cheapest`): a budget it proves that no plan over
@@ -766,7 +558,7 @@ def solve(
     if unoptimized <= budget_bytes:
         return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
     stages = build_stages(graph, max_stages)
-    model = _stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
+    model = build_stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started)
     ilp_found = plan is not None
     if finer_rounds < 0:
@@ -839,7 +631,8 @@ def _on_finer_stages(
     as many stages, every boundary of ``plan`` among them and no segment longer than its
     longest, stopped after :data:`FINER_PASS_NODES` branch-and-bound nodes (HiGHS; CBC has no
     such limit); repeated on twice as many stages again, up to ``rounds`` times in all, while a
-    round finds a cheaper plan, the doubled stages would be at most half the compute nodes and
+    round finds a cheaper plan, the doubled stages would be at most half the compute nodes, the
+    ILP would have at most :data:`FINER_ROUND_MAX_CANDIDATES` candidate segments and
     ``time_limit_s`` (for all rounds together) is not spent (on the 4-layer GPT-2 and BERT
     profiles, 222 and 128 compute nodes, a second round on about 140 stages found nothing in
     9 to 13 s). Finer stages let a segment end right after a node
@@ -865,7 +658,8 @@ def _on_finer_stages(
             break  # on more stages than half the compute nodes, a further round rarely pays
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, budget_bytes, unoptimized,
                                                 selective=selective, solver=solver, time_limit_s=left_s,
-                                                max_attempts=max_attempts, started=started)
+                                                max_attempts=max_attempts, started=started,
+                                                max_candidates=FINER_ROUND_MAX_CANDIDATES if round_index else None)
         if finer is None or finer.recompute_ms >= best.recompute_ms:
             break
         log.info("the ILP on %d stages cut the recompute from %.2f to %.2f ms", stage_count, best.recompute_ms,
@@ -888,9 +682,11 @@ def _on_doubled_stages(
     time_limit_s: float,
     max_attempts: int,
     started: float,
+    max_candidates: int | None = None,
 ) -> tuple[Plan | None, int]:
     """One round of :func:`_on_finer_stages`: the ILP's plan on about ``2 * stage_count`` stages
-    (None when it finds none), and how many stages that was."""
+    (None when it finds none, or when the ILP would have more than ``max_candidates`` candidate
+    segments), and how many stages that was."""
     rank = {n.name: r for r, n in enumerate(graph.compute_nodes)}
     cuts = {rank[s.node_names[0]] for s in plan.segments} | {rank[s.node_names[-1]] + 1 for s in plan.segments}
     stages = build_stages(graph, 2 * stage_count, required_cuts=cuts)
@@ -899,7 +695,12 @@ def _on_doubled_stages(
     first = {st.node_names[0]: j for j, st in enumerate(stages)}
     last = {st.node_names[-1]: j for j, st in enumerate(stages)}
     longest = max(last[s.node_names[-1]] - first[s.node_names[0]] + 1 for s in plan.segments)
-    model = _stage_model(graph, stages, max_segment_stages=longest, selective=selective)
+    model = build_stage_model(graph, stages, max_segment_stages=longest, selective=selective)
+    log.info("finer stages: %d stages, %d candidate segments (none longer than %d stages)", len(stages),
+             len(model.segments), longest)
+    if max_candidates is not None and len(model.segments) > max_candidates:
+        log.info("more than %d candidate segments: no further round", max_candidates)
+        return None, len(stages)
     try:
         finer = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
                            node_limit=FINER_PASS_NODES)
@@ -980,7 +781,7 @@ def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, s
 
 def _cheapest_by_optimistic_account(
     graph: CostGraph,
-    model: _StageModel,
+    model: StageModel,
     plan: Plan | None,
     budget_bytes: int,
     unoptimized: int,
@@ -1010,7 +811,7 @@ def _cheapest_by_optimistic_account(
 
 def _tightened(
     graph: CostGraph,
-    model: _StageModel,
+    model: StageModel,
     budget_bytes: int,
     unoptimized: int,
     solver: str | None,

@@ -12,6 +12,7 @@ from graphs import MIB, chain, random_dag
 from planner import InfeasibleBudgetError, minimum_peak_plan, simulate, solve
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.rerun import rerun_cost, rerun_node_names
+from planner.stage_model import build_stage_model
 from planner.stages import build_stages
 
 
@@ -299,7 +300,7 @@ def test_ilp_keeps_matmul_outputs_inside_its_segments():
     stages = build_stages(g, 3)
     costs = {}
     for selective in (False, True):
-        model = solve_module._stage_model(g, stages, max_segment_stages=len(stages), selective=selective)
+        model = build_stage_model(g, stages, max_segment_stages=len(stages), selective=selective)
         assert any(model.keep_options) == selective
         plan = solve_module._tightened(g, model, int(unoptimized * 0.7), unoptimized, None, 30.0, 8,
                                        time.perf_counter())
@@ -398,7 +399,7 @@ def test_selective_solve_never_costs_more_than_the_segments_only_plan(monkeypatc
 
     plain = solve(g, budget, exact=False)
     monkeypatch.setattr(solve_module, "_tightened", selective_overshoots)
-    overshooting = solve_module._tightened(g, solve_module._stage_model(
+    overshooting = solve_module._tightened(g, build_stage_model(
         g, solve_module.build_stages(g, 32), max_segment_stages=32, selective=True), budget,
         simulate(g).peak_bytes, None, 60.0, 8, 0.0)
     assert overshooting is not None and overshooting.recompute_ms > plain.recompute_ms  # the forced miss is real
