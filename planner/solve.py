@@ -40,6 +40,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import pulp
@@ -656,9 +657,12 @@ def _on_finer_stages(
             break
         if round_index and 4 * stage_count > compute_count:
             break  # on more stages than half the compute nodes, a further round rarely pays
-        finer, stage_count = _on_doubled_stages(graph, best, stage_count, budget_bytes, unoptimized,
-                                                selective=selective, solver=solver, time_limit_s=left_s,
-                                                max_attempts=max_attempts, started=started,
+
+        def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
+            return _tightened(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
+                              node_limit=FINER_PASS_NODES)
+
+        finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
                                                 max_candidates=FINER_ROUND_MAX_CANDIDATES if round_index else None)
         if finer is None or finer.recompute_ms >= best.recompute_ms:
             break
@@ -674,19 +678,14 @@ def _on_doubled_stages(
     graph: CostGraph,
     plan: Plan,
     stage_count: int,
-    budget_bytes: int,
-    unoptimized: int,
+    solve_stages: Callable[[StageModel], Plan | None],
     *,
     selective: bool,
-    solver: str | None,
-    time_limit_s: float,
-    max_attempts: int,
-    started: float,
     max_candidates: int | None = None,
 ) -> tuple[Plan | None, int]:
-    """One round of :func:`_on_finer_stages`: the ILP's plan on about ``2 * stage_count`` stages
-    (None when it finds none, or when the ILP would have more than ``max_candidates`` candidate
-    segments), and how many stages that was."""
+    """One round of :func:`_on_finer_stages`: the plan ``solve_stages`` finds on about
+    ``2 * stage_count`` stages (None when it finds none, or when the ILP would have more than
+    ``max_candidates`` candidate segments), and how many stages that was."""
     rank = {n.name: r for r, n in enumerate(graph.compute_nodes)}
     cuts = {rank[s.node_names[0]] for s in plan.segments} | {rank[s.node_names[-1]] + 1 for s in plan.segments}
     stages = build_stages(graph, 2 * stage_count, required_cuts=cuts)
@@ -702,11 +701,9 @@ def _on_doubled_stages(
         log.info("more than %d candidate segments: no further round", max_candidates)
         return None, len(stages)
     try:
-        finer = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
-                           node_limit=FINER_PASS_NODES)
+        finer = solve_stages(model)
     except SolverError as exc:
-        log.info("the ILP on %d stages found no plan in %.3g s (%s); keeping the plan on %d", len(stages),
-                 time_limit_s, exc, stage_count)
+        log.info("the ILP on %d stages found no plan (%s); keeping the plan on %d", len(stages), exc, stage_count)
         return None, len(stages)
     if finer is not None:
         finer = dataclasses.replace(finer, solver=finer.solver.removesuffix(" (tightened)"))
