@@ -71,8 +71,9 @@ FINER_PASS_NODES = 100
 FINER_PASS_S = 20.0
 #: how many times the stages are doubled after the first ILP, while each doubling finds a cheaper
 #: plan: on a 12-layer GPT-2 (550 compute nodes) at half its peak the second doubling cut the
-#: predicted recompute from 18.2 % to 15.2 % of the step in 2.4 s more, on the 1,000-node graph of
-#: ``benchmarks/solve_time.py`` from 18.1 % to 9.4 % in 3.9 s more (README, "How the planner decides")
+#: predicted recompute from 18.2 % to 15.2 % of the step, on the 1,000-node graph of
+#: ``benchmarks/solve_time.py`` from 17.7 % to 9.6 %, that whole solve taking 2.9 s (README,
+#: "How the planner decides")
 FINER_PASS_ROUNDS = 2
 #: a finer round after the first runs only on at most this many candidate segments: the good
 #: second rounds had 1,242 to 1,540 (0.4 to 1.5 s), while on the 5,000-node graph's, with 3,968,
