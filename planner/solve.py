@@ -79,6 +79,13 @@ FINER_PASS_ROUNDS = 2
 #: second rounds had 1,242 to 1,540 (0.4 to 1.5 s), while on the 5,000-node graph's, with 3,968,
 #: HiGHS found no plan within the 17 s left of ``finer_s``
 FINER_ROUND_MAX_CANDIDATES = 2000
+#: on graphs of at least twice as many compute nodes as these stages, the finer rounds may also
+#: start from the ILP's plan on 8 times ``max_stages`` stages with segments of at most 8 of them
+#: (:func:`_short_segments_plan`), when it is cheaper than the first plan: on fake-profiled GPT-2
+#: graphs of 17, 48 and 94 layers (755 to 3,912 compute nodes) it predicted 3.3 to 6.8 % of the
+#: step at 70 % of the peak where the first plans predicted 10.0 to 12.1 %, in 1 to 2 s
+SHORT_SEGMENT_STAGES_PER_START = 8
+SHORT_SEGMENT_MAX_STAGES = 8
 #: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
 #: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
 #: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
@@ -504,6 +511,7 @@ def solve(
     finer_s: float = FINER_PASS_S,
     exact_s: float = EXACT_SEARCH_S,
     finer_rounds: int = FINER_PASS_ROUNDS,
+    short_segments: bool = True,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
 
@@ -512,7 +520,10 @@ def solve(
     branch-and-bound nodes, and the cheaper plan is kept; this repeats, doubling the stages
     again, up to ``finer_rounds`` times while each round finds a cheaper plan and the stages
     are fewer than the compute nodes, for at most ``finer_s`` seconds in all
-    (:func:`_on_finer_stages`; ``finer_s=0`` or ``finer_rounds=0`` turns it off). With ``exact``
+    (:func:`_on_finer_stages`; ``finer_s=0`` or ``finer_rounds=0`` turns it off). On graphs of
+    at least 16 times ``max_stages`` compute nodes, with ``short_segments``, rounds also start
+    from the ILP's plan on 8 times ``max_stages`` stages with short segments, and the cheaper
+    end is kept (:func:`_short_segments_plan`; segments-only solves). With ``exact``
     too, the cheapest of the exact search's plan and the finer passes'.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
@@ -567,9 +578,20 @@ def solve(
         raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
     finer = None
     if plan is not None and finer_s > 0 and finer_rounds > 0:
+        finer_limit_s = min(finer_s, time_limit_s)
         finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
-                                 solver=solver, time_limit_s=min(finer_s, time_limit_s),
-                                 max_attempts=max_attempts, started=started, rounds=finer_rounds)
+                                 solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
+                                 started=started, rounds=finer_rounds)
+        if (short_segments and not selective
+                and len(graph.compute_nodes) >= 2 * SHORT_SEGMENT_STAGES_PER_START * max_stages):
+            short, short_stages = _short_segments_plan(graph, max_stages, budget_bytes, unoptimized, solver,
+                                                       finer_limit_s, max_attempts, started)
+            if short is not None:
+                short = _on_finer_stages(graph, short, short_stages, budget_bytes, unoptimized, selective=False,
+                                         solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
+                                         started=started, rounds=finer_rounds, every_round_capped=True)
+                if short.recompute_ms < finer.recompute_ms:
+                    finer = short
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
         search_s = time_limit_s if exact else min(time_limit_s, exact_s)
@@ -602,7 +624,7 @@ def solve(
         try:
             plain = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                           max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact, finer_s=finer_s,
-                          exact_s=exact_s, finer_rounds=finer_rounds)
+                          exact_s=exact_s, finer_rounds=finer_rounds, short_segments=short_segments)
         except InfeasibleBudgetError:
             if plan is None:
                 raise
@@ -613,6 +635,30 @@ def solve(
                                   refine_s=refine_s)
         plan = dataclasses.replace(plan, solve_s=time.perf_counter() - started)
     return plan
+
+
+def _short_segments_plan(graph: CostGraph, max_stages: int, budget_bytes: int, unoptimized: int,
+                         solver: str | None, time_limit_s: float, max_attempts: int,
+                         started: float) -> tuple[Plan | None, int]:
+    """The ILP's plan on :data:`SHORT_SEGMENT_STAGES_PER_START` times ``max_stages`` stages with no
+    segment longer than :data:`SHORT_SEGMENT_MAX_STAGES` of them (stopped after
+    :data:`FINER_PASS_NODES` branch-and-bound nodes), or None when it finds none; and how many
+    stages that was. On a deep graph the first stages each span a layer or more, and its plan
+    is a few segments of several layers that the finer rounds cannot break up (their ILP would
+    allow every segment as long as the longest); short segments on many stages end inside
+    the layers."""
+    stages = build_stages(graph, SHORT_SEGMENT_STAGES_PER_START * max_stages)
+    model = build_stage_model(graph, stages, max_segment_stages=SHORT_SEGMENT_MAX_STAGES)
+    try:
+        plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
+                          node_limit=FINER_PASS_NODES)
+    except SolverError as exc:
+        log.info("short segments on %d stages: no plan (%s)", len(stages), exc)
+        return None, len(stages)
+    if plan is None:
+        return None, len(stages)
+    log.info("short segments on %d stages: %.2f ms", len(stages), plan.recompute_ms)
+    return dataclasses.replace(plan, solver=f"{plan.solver.removesuffix(' (tightened)')} (short segments)"), len(stages)
 
 
 def _on_finer_stages(
@@ -628,6 +674,7 @@ def _on_finer_stages(
     max_attempts: int,
     started: float,
     rounds: int = 1,
+    every_round_capped: bool = False,
 ) -> Plan:
     """``plan`` (found on ``stage_count`` stages), or a cheaper one from the ILP on about twice
     as many stages, every boundary of ``plan`` among them and no segment longer than its
@@ -637,7 +684,8 @@ def _on_finer_stages(
     ILP would have at most :data:`FINER_ROUND_MAX_CANDIDATES` candidate segments and
     ``time_limit_s`` (for all rounds together) is not spent (on the 4-layer GPT-2 and BERT
     profiles, 222 and 128 compute nodes, a second round on about 140 stages found nothing in
-    9 to 13 s). Finer stages let a segment end right after a node
+    9 to 13 s). With ``every_round_capped`` (a start from :func:`_short_segments_plan`, already
+    on many stages) the first round is held to the same limits. Finer stages let a segment end right after a node
     that saves only its inputs (a linear: its matmul is never recomputed) where the coarse cuts
     could not; on the residual MLP at half its peak the predicted recompute fell from 16.6 % to
     13.0 % of the step, on a 4-layer GPT-2 from 21 % to 16 %. Deeper graphs gain from a second
@@ -656,7 +704,8 @@ def _on_finer_stages(
         left_s = deadline - time.perf_counter()
         if not best.segments or stage_count >= compute_count or left_s <= 0:
             break
-        if round_index and 4 * stage_count > compute_count:
+        capped = bool(round_index) or every_round_capped
+        if capped and 4 * stage_count > compute_count:
             break  # on more stages than half the compute nodes, a further round rarely pays
 
         def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
@@ -664,7 +713,7 @@ def _on_finer_stages(
                               node_limit=FINER_PASS_NODES)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
-                                                max_candidates=FINER_ROUND_MAX_CANDIDATES if round_index else None)
+                                                max_candidates=FINER_ROUND_MAX_CANDIDATES if capped else None)
         if finer is None or finer.recompute_ms >= best.recompute_ms:
             break
         log.info("the ILP on %d stages cut the recompute from %.2f to %.2f ms", stage_count, best.recompute_ms,
