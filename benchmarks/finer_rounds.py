@@ -1,10 +1,10 @@
-"""Finer rounds on a deeper model: plans with one and with two rounds of doubled stages, measured.
+"""Finer rounds on a deeper model: the single finer pass of before against the default, measured.
 
 A 12-layer GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256; about 550 compute nodes) is
 profiled once. At each budget (a fraction of the measured unoptimized peak) the planner solves
-with ``finer_rounds=1`` (one ILP on about twice the first stages, the default before) and with
-the default (:data:`planner.solve.FINER_PASS_ROUNDS`), as ``optimize`` plans (1 % safety
-margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
+with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the first stages, the
+default before) and with the defaults (:data:`planner.solve.FINER_PASS_ROUNDS` rounds, and the
+short-segments start), as ``optimize`` plans (1 % safety margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
 as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
 process).
 
@@ -49,12 +49,12 @@ class Measured:
     step_time: float = float("nan")
 
 
-def planned(graph: CostGraph, budget_bytes: int, finer_rounds: int) -> tuple[Plan, float]:
-    """The plan ``optimize`` would make at ``budget_bytes`` (no reserve, one rank), with
-    ``finer_rounds``, and its solve time."""
+def planned(graph: CostGraph, budget_bytes: int, before: bool) -> tuple[Plan, float]:
+    """The plan ``optimize`` would make at ``budget_bytes`` (no reserve, one rank), with the
+    single finer pass of before or the defaults, and its solve time."""
     started = time.perf_counter()
-    plan = solve(protect_reads_before_writes(graph), int(budget_bytes * (1 - SAFETY_MARGIN)),
-                 finer_rounds=finer_rounds)
+    options = {"finer_rounds": 1, "short_segments": False} if before else {}
+    plan = solve(protect_reads_before_writes(graph), int(budget_bytes * (1 - SAFETY_MARGIN)), **options)
     return dataclasses.replace(plan, budget_bytes=budget_bytes), time.perf_counter() - started
 
 
@@ -70,26 +70,27 @@ def run(layers: int, fractions: list[float], repeats: int) -> str:
         f"CPU, {torch.get_num_threads()} thread(s), torch {torch.__version__}, GPT-2 with {layers} layers "
         f"({len(graph.compute_nodes)} compute nodes), unoptimized peak {base_peak / MIB:.1f} MiB, "
         f"{repeats} interleaved timing repeats.\n",
-        "| budget | finer rounds | solve | segments | predicted overhead | measured peak | extra FLOPs | step time |",
+        "| budget | finer passes | solve | segments | predicted overhead | measured peak | extra FLOPs | step time |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for fraction in fractions:
         budget = int(base_peak * fraction)
-        rows: list[tuple[int, Measured]] = []
-        for rounds in sorted({1, FINER_PASS_ROUNDS}):
-            plan, solve_s = planned(graph, budget, rounds)
+        rows: list[tuple[str, Measured]] = []
+        for before in (True, False):
+            rounds = "one (before)" if before else f"{FINER_PASS_ROUNDS} rounds, short segments (default)"
+            plan, solve_s = planned(graph, budget, before)
             module = CheckpointedModule(apply_plan(trace_module(model, example), plan), model, plan,
                                         cost_graph=graph, example_inputs=example)
             peak = measure_step_peak_bytes(module, inputs)
             if peak > budget:
-                log.warning("%d rounds at %.0f %%: measured peak %d over the budget %d", rounds, 100 * fraction,
+                log.warning("%s at %.0f %%: measured peak %d over the budget %d", rounds, 100 * fraction,
                             peak, budget)
             rows.append((rounds, Measured(plan, module, solve_s, peak, measure_step_flops(module, inputs) - base_flops)))
         ratios = step_time_ratios([model, *(m.module for _, m in rows)], inputs, repeats)
         for (rounds, measured), ratio in zip(rows, ratios[1:]):
             measured.step_time = ratio
             lines.append(
-                f"| {fraction:.0%} = {budget / MIB:.1f} MiB | {rounds}{' (default)' if rounds == FINER_PASS_ROUNDS else ''} "
+                f"| {fraction:.0%} = {budget / MIB:.1f} MiB | {rounds} "
                 f"| {measured.solve_s:.1f} s | {len(measured.plan.segments)} | +{measured.plan.overhead_ratio:.1%} "
                 f"| {measured.peak_bytes / MIB:.1f} MiB | +{measured.extra_flops / base_flops:.1%} | {ratio:.2f}x |")
         log.info("%.0f %% done", 100 * fraction)
