@@ -86,6 +86,14 @@ FINER_ROUND_MAX_CANDIDATES = 2000
 #: step at 70 % of the peak where the first plans predicted 10.0 to 12.1 %, in 1 to 2 s
 SHORT_SEGMENT_STAGES_PER_START = 8
 SHORT_SEGMENT_MAX_STAGES = 8
+#: on deeper graphs the short segments also start from the count doubled while it stays within
+#: half the compute nodes (about 3 to 4 nodes a stage), with segments of at most this many
+#: stages: on the 94-layer graph 256 stages are under 3 a layer (11.5 % of the step at 70 %),
+#: while 1,024 with segments of at most 6 predicted 3.7 % in 11 s (at most 8: 3.9 % in 12 s, and
+#: 26 s at 40 %). It is a second start, not a replacement: on the 4-layer GPT-2 profile with 4
+#: first stages (the same shapes scaled down) the rounds from the first start were cheaper at
+#: three budgets of four
+SHORT_SEGMENT_MAX_STAGES_DEEP = 6
 #: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
 #: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
 #: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
@@ -522,8 +530,9 @@ def solve(
     are fewer than the compute nodes, for at most ``finer_s`` seconds in all
     (:func:`_on_finer_stages`; ``finer_s=0`` or ``finer_rounds=0`` turns it off). On graphs of
     at least 16 times ``max_stages`` compute nodes, with ``short_segments``, rounds also start
-    from the ILP's plan on 8 times ``max_stages`` stages with short segments, and the cheaper
-    end is kept (:func:`_short_segments_plan`; segments-only solves). With ``exact``
+    from the ILP's plan on 8 times ``max_stages`` stages with short segments, on deeper graphs
+    also from more stages (:func:`short_segment_shapes`), and the cheapest end is kept
+    (:func:`_short_segments_plan`; segments-only solves). With ``exact``
     too, the cheapest of the exact search's plan and the finer passes'.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
@@ -582,10 +591,10 @@ def solve(
         finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
                                  solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
                                  started=started, rounds=finer_rounds)
-        if (short_segments and not selective
-                and len(graph.compute_nodes) >= 2 * SHORT_SEGMENT_STAGES_PER_START * max_stages):
-            short, short_stages = _short_segments_plan(graph, max_stages, budget_bytes, unoptimized, solver,
-                                                       finer_limit_s, max_attempts, started)
+        for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages)
+                                                if short_segments and not selective else []):
+            short, short_stages = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes,
+                                                       unoptimized, solver, finer_limit_s, max_attempts, started)
             if short is not None:
                 short = _on_finer_stages(graph, short, short_stages, budget_bytes, unoptimized, selective=False,
                                          solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
@@ -637,18 +646,42 @@ def solve(
     return plan
 
 
-def _short_segments_plan(graph: CostGraph, max_stages: int, budget_bytes: int, unoptimized: int,
-                         solver: str | None, time_limit_s: float, max_attempts: int,
+def short_segment_shapes(compute_count: int, max_stages: int = 32) -> list[tuple[int, int]]:
+    """The starts of the short-segments path (:func:`_short_segments_plan`) on a graph of
+    ``compute_count`` compute nodes, as (stage count, most stages a segment may span): on graphs
+    of at least 16 compute nodes per first stage, :data:`SHORT_SEGMENT_STAGES_PER_START` times
+    ``max_stages`` stages with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES`; on graphs
+    where that count doubled stays within half the compute nodes, also the count doubled as far
+    as it does, with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES_DEEP`.
+
+    Example:
+        >>> short_segment_shapes(300), short_segment_shapes(755), short_segment_shapes(3912)
+        ([], [(256, 8)], [(256, 8), (1024, 6)])
+    """
+    stage_count = SHORT_SEGMENT_STAGES_PER_START * max_stages
+    if compute_count < 2 * stage_count:
+        return []
+    shapes = [(stage_count, SHORT_SEGMENT_MAX_STAGES)]
+    deep_count = stage_count
+    while 4 * deep_count <= compute_count:
+        deep_count *= 2
+    if deep_count > stage_count:
+        shapes.append((deep_count, SHORT_SEGMENT_MAX_STAGES_DEEP))
+    return shapes
+
+
+def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages: int, budget_bytes: int,
+                         unoptimized: int, solver: str | None, time_limit_s: float, max_attempts: int,
                          started: float) -> tuple[Plan | None, int]:
-    """The ILP's plan on :data:`SHORT_SEGMENT_STAGES_PER_START` times ``max_stages`` stages with no
-    segment longer than :data:`SHORT_SEGMENT_MAX_STAGES` of them (stopped after
+    """The ILP's plan on about ``stage_count`` stages with no segment longer than
+    ``max_segment_stages`` of them (a shape from :func:`short_segment_shapes`; stopped after
     :data:`FINER_PASS_NODES` branch-and-bound nodes), or None when it finds none; and how many
     stages that was. On a deep graph the first stages each span a layer or more, and its plan
     is a few segments of several layers that the finer rounds cannot break up (their ILP would
     allow every segment as long as the longest); short segments on many stages end inside
     the layers."""
-    stages = build_stages(graph, SHORT_SEGMENT_STAGES_PER_START * max_stages)
-    model = build_stage_model(graph, stages, max_segment_stages=SHORT_SEGMENT_MAX_STAGES)
+    stages = build_stages(graph, stage_count)
+    model = build_stage_model(graph, stages, max_segment_stages=max_segment_stages)
     try:
         plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
                           node_limit=FINER_PASS_NODES)

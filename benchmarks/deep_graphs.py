@@ -1,0 +1,82 @@
+"""Plan quality on deep graphs: predicted recompute of the single finer pass of before against the defaults.
+
+GPT-2-style graphs of many layers (width 256, batch 4 x 128, as in ``benchmarks/solve_time.py``)
+are captured with torch.export and profiled on fake tensors (compute times from the profiler's
+roofline, no real memory used). At each budget, a fraction of the simulated unoptimized peak,
+the planner solves with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the
+first stages, the default before the finer rounds) and with the defaults. The figures are the
+planner's predictions (recompute time over the profiled step), not measurements: the 4-layer
+quality models and ``benchmarks/finer_rounds.py`` measure plans at the allocator and the clock.
+
+    python benchmarks/deep_graphs.py [--layers 17 34 48 94] [--fractions 0.7 0.5 0.4] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from common import ROOT, benchmark_logging, publish_table
+from models import gpt2
+
+from planner import simulate
+from planner.solve import solve
+from profiling import profile_graph, trace_module
+
+log = logging.getLogger("deep_graphs")
+
+README_BEGIN = "<!-- benchmarks/deep_graphs.py --readme: begin -->"
+README_END = "<!-- benchmarks/deep_graphs.py --readme: end -->"
+BEFORE = {"finer_rounds": 1, "short_segments": False}
+
+
+def _cell(percent_before: float, percent_now: float) -> str:
+    return f"{percent_before:.1f} % -> {percent_now:.1f} %"
+
+
+def run(layer_counts: list[int], fractions: list[float]) -> str:
+    started = time.perf_counter()
+    header = " | ".join(f"{f:.0%} of the peak" for f in fractions)
+    lines = [
+        "Predicted recompute time as a share of the profiled step, single finer pass (before) -> defaults; "
+        "solve times of the defaults.\n",
+        f"| layers | compute nodes | {header} | solve (defaults) | every peak within its budget |",
+        "|---|---|" + "---|" * len(fractions) + "---|---|",
+    ]
+    for layers in layer_counts:
+        model, example = gpt2(batch=4, seq_len=128, layers=layers)
+        graph = profile_graph(trace_module(model, example), example, fake=True)
+        unoptimized = simulate(graph).peak_bytes
+        cells, solve_times, within = [], [], True
+        for fraction in fractions:
+            budget = int(unoptimized * fraction)
+            before = solve(graph, budget, **BEFORE)
+            t0 = time.perf_counter()
+            now = solve(graph, budget)
+            solve_times.append(time.perf_counter() - t0)
+            within = within and all(p.predicted_peak_bytes <= budget for p in (before, now))
+            cells.append(_cell(100 * before.recompute_ms / graph.step_ms, 100 * now.recompute_ms / graph.step_ms))
+            log.info("%d layers at %.0f %%: %s", layers, 100 * fraction, cells[-1])
+        lines.append(f"| {layers} | {len(graph.compute_nodes)} | {' | '.join(cells)} "
+                     f"| {min(solve_times):.1f} to {max(solve_times):.1f} s | {'yes' if within else 'NO'} |")
+    lines.append(f"\nWall time {(time.perf_counter() - started) / 60:.1f} min (capture, fake profile and both "
+                 "solves).\n")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="*", default=[17, 34, 48, 94])
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.7, 0.5, 0.4])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    args = parser.parse_args()
+    benchmark_logging()
+    publish_table(run(args.layers, args.fractions), args.out, "deep_graphs.md",
+                  (README_BEGIN, README_END) if args.readme else None)
+
+
+if __name__ == "__main__":
+    main()
