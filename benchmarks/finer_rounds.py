@@ -9,6 +9,10 @@ as a ratio to the unoptimized step (interleaved repeats of all three modules, me
 process).
 
     python benchmarks/finer_rounds.py [--layers 12] [--fractions 0.7 0.5 0.3] [--repeats 5] [--readme]
+
+With ``--layers`` other than 12 the table goes to ``finer_rounds_<layers>.md`` and to its own
+README section (``--layers 26``: about 1,200 compute nodes, where short segments also start
+from more stages, :func:`planner.solve.short_segment_shapes`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ log = logging.getLogger("finer_rounds")
 
 README_BEGIN = "<!-- benchmarks/finer_rounds.py --readme: begin -->"
 README_END = "<!-- benchmarks/finer_rounds.py --readme: end -->"
+
+
+def readme_markers(layers: int) -> tuple[str, str]:
+    """The README section of the table for ``layers`` (the 12-layer default has its own)."""
+    if layers == 12:
+        return README_BEGIN, README_END
+    return (f"<!-- benchmarks/finer_rounds.py --layers {layers} --readme: begin -->",
+            f"<!-- benchmarks/finer_rounds.py --layers {layers} --readme: end -->")
+
 SAFETY_MARGIN = 0.01
 
 
@@ -111,7 +124,9 @@ def main() -> None:
     benchmark_logging()
     torch.set_num_threads(args.threads)
     text = run(args.layers, args.fractions, args.repeats)
-    publish_table(text, args.out, "finer_rounds.md", (README_BEGIN, README_END) if args.readme else None)
+    markers = readme_markers(args.layers)
+    publish_table(text, args.out, "finer_rounds.md" if args.layers == 12 else f"finer_rounds_{args.layers}.md",
+                  markers if args.readme else None)
 
 
 if __name__ == "__main__":
