@@ -365,8 +365,8 @@ def test_selective_solve_falls_back_to_the_segments_only_plan_where_its_own_ilp_
     budget = int(simulate(g).peak_bytes * 0.7)
     real_tightened, real_floor = solve_module._tightened, solve_module.minimum_peak_plan
 
-    def selective_misses(graph, model, *args):
-        return None if any(model.keep_options) else real_tightened(graph, model, *args)
+    def selective_misses(graph, model, *args, **kwargs):
+        return None if any(model.keep_options) else real_tightened(graph, model, *args, **kwargs)
 
     def floor_over_budget(*args, **kwargs):
         plan = real_floor(*args, **kwargs)

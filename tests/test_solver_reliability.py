@@ -193,6 +193,40 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     assert any("stopped at its time limit" in r.getMessage() for r in caplog.records)
 
 
+def test_the_first_ilp_stops_at_its_node_limit_with_its_plan_and_proven_gap(monkeypatch, caplog):
+    """A node limit (an effort limit, the same plan on every machine) stops the first ILP with
+    its best plan and the gap HiGHS proved, not flagged as a time limit; without the limit the
+    same graph is solved within the 1 % gap, at no more cost."""
+    g = mlp_blocks(12)
+    budget = int(simulate(g).peak_bytes * 0.4)
+    options = {"finer_rounds": 0, "exact": False, "refine_s": 0}  # the first ILP's own plan
+    monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", 1)
+    with caplog.at_level(logging.INFO, logger="planner.solve"):
+        limited = solve(g, budget, **options)
+    assert any("stopped at its node limit" in r.getMessage() for r in caplog.records)
+    assert simulate(g, [s.node_names for s in limited.segments]).peak_bytes <= budget
+    assert not limited.hit_time_limit and "time limit" not in limited.summary()
+    assert limited.optimality_gap is not None and limited.optimality_gap > solve_module.MIP_GAP
+    monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", None)
+    unlimited = solve(g, budget, **options)
+    assert unlimited.optimality_gap is not None and unlimited.optimality_gap <= solve_module.MIP_GAP + 1e-9
+    assert unlimited.recompute_ms <= limited.recompute_ms + 1e-9
+
+
+def test_a_node_limit_reached_before_any_plan_does_not_end_the_first_ilp():
+    """On this graph the ILP at 85 % of the peak is infeasible, which HiGHS does not prove in
+    one branch-and-bound node: stopped there it has no plan and no proof (a SolverError), so the
+    first ILP goes on without the limit and proves what an unlimited solve proves."""
+    g = random_dag(0, 32)
+    stages = build_stages(g, 32)
+    model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
+    budget_mib = simulate(g).peak_bytes * 0.85 / MIB
+    with pytest.raises(SolverError, match="found no feasible plan"):
+        solve_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1)
+    assert solve_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1, node_limit_needs_plan=True) is None
+    assert solve_module._solve_ilp(model, budget_mib, None, 60.0) is None
+
+
 def test_against_brute_force_on_random_dags_of_8_nodes():
     """Every plan fits, every feasible budget gets a plan, and every plan's cost is brute
     force's within the 1 % gap (before the optimistic account: 84 of 90, 57 with the ILP alone)."""
