@@ -450,16 +450,22 @@ def minimum_peak_plan(
     time_limit_s: float = 60.0,
     refine_s: float = 2.0,
     exact: bool | None = None,
+    exact_s: float | None = None,
+    infeasible_bytes: int = 0,
 ) -> Plan:
     """The plan with the smallest peak found, whatever it costs: the ILP's, lowered further by
     local moves judged by the simulator (:func:`planner.refine.lower_peak`, up to ``refine_s``)
     and, with ``exact`` (default: graphs under 64 compute nodes), by bisecting the budget with
     the search of :mod:`planner.relaxation`, which makes it the smallest over the stages (within
-    0.1 %).
+    0.1 %) unless the bisection runs out of ``exact_s`` seconds (default ``time_limit_s``) first.
+    ``infeasible_bytes``: a budget already proven to fit no plan over the stages (the bisection
+    starts above it).
 
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
     """
     _check_time_limit(time_limit_s)
+    if exact_s is not None:
+        _check_time_limit(exact_s, "exact_s")
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
     model = build_stage_model(graph, stages, max_segment_stages=len(stages))
@@ -478,7 +484,8 @@ def minimum_peak_plan(
     if peak > unoptimized:
         segments, peak = [], unoptimized
     if _exact_search_on(graph, exact) and segments:
-        segments, peak = _lowest_by_bisection(graph, model, segments, peak, solver, time_limit_s)
+        segments, peak = _lowest_by_bisection(graph, model, segments, peak, solver,
+                                              time_limit_s if exact_s is None else exact_s, infeasible_bytes)
     return _to_plan(graph, segments, peak, unoptimized, peak, result.solver, time.perf_counter() - started, result)
 
 
@@ -501,17 +508,22 @@ def _cost_search_on(graph: CostGraph, exact: bool | None, plan: Plan | None, bud
 
 
 def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Segment], peak: int,
-                         solver: str | None, time_limit_s: float) -> tuple[list[Segment], int]:
+                         solver: str | None, time_limit_s: float,
+                         infeasible_bytes: int = 0) -> tuple[list[Segment], int]:
     """Lower the smallest peak found by bisecting the budget with the optimistic account's
     search (:func:`planner.relaxation.search_cheapest`): a budget it proves that no plan over
-    the stages fits is a lower end, a plan it finds is a new upper end. Stops within 0.1 % of
-    the smallest peak over the stages, or at the first search that neither finds nor proves."""
+    the stages fits is a lower end, a plan it finds is a new upper end. Starts above
+    ``infeasible_bytes`` (a budget proven to fit no plan) or the persistent bytes. Stops within
+    0.1 % of the smallest peak over the stages, at the first search that neither finds nor
+    proves, or after ``time_limit_s`` for all searches together: just below the smallest peak
+    a search can replay its 32 candidates without either (on a 27-node graph, 2 s each)."""
     name = _choose_solver(solver)
-    low = graph.persistent_bytes
-    while peak - low > peak // 1000:
+    deadline = time.perf_counter() + time_limit_s
+    low = max(graph.persistent_bytes, infeasible_bytes + 1)
+    while peak - low > peak // 1000 and (left_s := deadline - time.perf_counter()) > 0:
         middle = (low + peak) // 2
         found = search_cheapest(graph, model.stages, middle, math.inf,
-                                lambda prob: _run_solver(prob, name, time_limit_s, presolve=False), time_limit_s=time_limit_s)
+                                lambda prob: _run_solver(prob, name, left_s, presolve=False), time_limit_s=left_s)
         if found.runs is not None:
             segments = _segments(graph, model, found.runs)
             peak = simulate(graph, segments).peak_bytes
@@ -624,13 +636,14 @@ def solve(
                 if short.recompute_ms < finer.recompute_ms:
                     finer = short
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
+    proven_infeasible = False
     if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
         search_s = time_limit_s if exact else min(time_limit_s, exact_s)
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
                  "the ILP found none" if cheaper is None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
-        plan = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized, solver, search_s,
-                                               started)
+        plan, proven_infeasible = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized,
+                                                                  solver, search_s, started)
     if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
         plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
@@ -640,7 +653,9 @@ def solve(
         plan = _refined(graph, plan, budget_bytes, refine_s if polish or not ilp_found else 0.0, started)
     else:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                     refine_s=refine_s, exact=_exact_search_on(graph, exact))
+                                     refine_s=refine_s, exact=_exact_search_on(graph, exact),
+                                     exact_s=time_limit_s if exact else min(time_limit_s, exact_s),
+                                     infeasible_bytes=budget_bytes if proven_infeasible else 0)
         if fallback.predicted_peak_bytes > budget_bytes:
             if not selective:
                 raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
@@ -890,10 +905,11 @@ def _cheapest_by_optimistic_account(
     solver: str | None,
     time_limit_s: float,
     started: float,
-) -> Plan | None:
+) -> tuple[Plan | None, bool]:
     """``plan`` (the ILP's, or None when it found none), or the cheaper plan over the same
     stages that :func:`planner.relaxation.search_cheapest` finds; a plan the search proves the
-    cheapest gets the MIP gap as its optimality gap, measured against the simulator's account."""
+    cheapest gets the MIP gap as its optimality gap, measured against the simulator's account.
+    And whether the search proved that no plan over the stages fits the budget."""
     name = _choose_solver(solver)
     incumbent_ms = plan.recompute_ms if plan is not None else math.inf
     found = search_cheapest(graph, model.stages, budget_bytes, incumbent_ms,
@@ -903,12 +919,12 @@ def _cheapest_by_optimistic_account(
     if found.runs is None:
         if plan is not None and found.proven and not plan.hit_time_limit:
             plan = dataclasses.replace(plan, optimality_gap=MIP_GAP)
-        return plan
+        return plan, plan is None and found.proven
     segments = _segments(graph, model, found.runs)
     label = f"{plan.solver if plan is not None else name} + exact"
     return _to_plan(graph, segments, budget_bytes, unoptimized, simulate(graph, segments).peak_bytes, label,
                     time.perf_counter() - started, _IlpResult(found.runs, label, MIP_GAP if found.proven else None,
-                                                               found.hit_time_limit))
+                                                               found.hit_time_limit)), False
 
 
 def _tightened(

@@ -227,6 +227,31 @@ def test_a_node_limit_reached_before_any_plan_does_not_end_the_first_ilp():
     assert solve_module._solve_ilp(model, budget_mib, None, 60.0) is None
 
 
+def test_an_infeasible_budget_bisects_only_above_what_the_exact_search_proved(monkeypatch):
+    """On a small graph an infeasible budget is answered with the smallest peak over the stages,
+    found by bisection: the exact search has already proven the budget itself infeasible, so the
+    bisection searches only above it (on a 27-node graph, searching from the persistent bytes
+    up spent its whole 60 s on one middle budget), and all of it stops after ``exact_s``."""
+    g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
+    floor = minimum_peak_plan(g).predicted_peak_bytes
+    budget = floor - 3 * MIB
+    searched: list[int] = []
+    real_search = solve_module.search_cheapest
+
+    def recording_search(graph, stages, budget_bytes, *args, **kwargs):
+        searched.append(budget_bytes)
+        return real_search(graph, stages, budget_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "search_cheapest", recording_search)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(g, budget, exact_s=5.0)
+    assert info.value.min_feasible_bytes == floor
+    assert searched[0] == budget and len(searched) > 1  # the exact search, then the bisection
+    assert all(b > budget for b in searched[1:])
+    with pytest.raises(InputError, match="exact_s"):
+        minimum_peak_plan(g, exact_s=0)
+
+
 def test_against_brute_force_on_random_dags_of_8_nodes():
     """Every plan fits, every feasible budget gets a plan, and every plan's cost is brute
     force's within the 1 % gap (before the optimistic account: 84 of 90, 57 with the ILP alone)."""
