@@ -175,15 +175,21 @@ def write_readme_section(text: str, readme: Path, begin: str, end: str) -> None:
     readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
-def table_arguments(description: str, models: Sequence[str]) -> argparse.ArgumentParser:
-    """The options every per-model table benchmark takes: ``--models``, ``--threads`` (CPU
-    intra-op threads while profiling), ``--out`` (the results folder) and ``--readme``."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--models", nargs="*", choices=list(models), default=list(models))
+def add_output_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options every table benchmark takes: ``--threads`` (CPU intra-op threads while
+    profiling), ``--out`` (the results folder) and ``--readme``."""
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
     return parser
+
+
+def table_arguments(description: str, models: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every per-model table benchmark takes: ``--models`` and
+    :func:`add_output_arguments`'s."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", nargs="*", choices=list(models), default=list(models))
+    return add_output_arguments(parser)
 
 
 def publish_table(text: str, out_dir: Path, file_name: str, readme_markers: tuple[str, str] | None) -> None:

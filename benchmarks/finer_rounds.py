@@ -22,11 +22,10 @@ import dataclasses
 import logging
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from common import GIB, MIB, ROOT, benchmark_logging, publish_table, step_time_ratios
+from common import add_output_arguments, GIB, MIB, benchmark_logging, publish_table, step_time_ratios
 from models import gpt2
 
 from planner import optimize
@@ -117,9 +116,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7, 0.5, 0.3])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    add_output_arguments(parser)
     args = parser.parse_args()
     benchmark_logging()
     torch.set_num_threads(args.threads)

@@ -24,11 +24,10 @@ import argparse
 import importlib
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from common import ROOT, benchmark_logging, publish_table
+from common import add_output_arguments, benchmark_logging, publish_table
 from models import gpt2
 
 from planner import simulate
@@ -121,9 +120,7 @@ def main() -> None:
     parser.add_argument("--fake-layers", type=int, nargs="*", default=[17, 94])
     parser.add_argument("--real-layers", type=int, nargs="*", default=[12, 24])
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
-    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    add_output_arguments(parser)
     args = parser.parse_args()
     benchmark_logging()
     torch.set_num_threads(args.threads)
