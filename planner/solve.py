@@ -68,6 +68,7 @@ _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 #: each ILP on finer stages stops after this many branch-and-bound nodes (an effort limit: the
 #: same plan on every machine); all of them together stop after this many seconds (a guard)
 FINER_PASS_NODES = 100
+FINER_PASS_S = 20.0
 #: the first ILP (on ``max_stages`` stages) stops after this many branch-and-bound nodes with its
 #: best plan and proven gap: HiGHS finds its plan at the root and may then spend minutes proving
 #: it. On a 24-layer GPT-2 (1,042 compute nodes) it found its plan within 0.3 s and was still
@@ -75,7 +76,6 @@ FINER_PASS_NODES = 100
 #: the peak, 200 nodes gave the same plans in at most 4.1 s where 4 solves had run into the 60 s
 #: limit, and the whole solve's plans were the same on 42 graph-budget pairs (README, "Solve time")
 FIRST_ILP_NODES = 200
-FINER_PASS_S = 20.0
 #: how many times the stages are doubled after the first ILP, while each doubling finds a cheaper
 #: plan: on a 12-layer GPT-2 (550 compute nodes) at half its peak the second doubling cut the
 #: predicted recompute from 18.2 % to 15.2 % of the step, on the 1,000-node graph of
@@ -639,8 +639,8 @@ def solve(
                     finer = short
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     proven_infeasible = False
+    search_s = time_limit_s if exact else min(time_limit_s, exact_s)
     if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
-        search_s = time_limit_s if exact else min(time_limit_s, exact_s)
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
                  "the ILP found none" if cheaper is None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
@@ -656,7 +656,7 @@ def solve(
     else:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s, exact=_exact_search_on(graph, exact),
-                                     exact_s=time_limit_s if exact else min(time_limit_s, exact_s),
+                                     exact_s=search_s,
                                      infeasible_bytes=budget_bytes if proven_infeasible else 0)
         if fallback.predicted_peak_bytes > budget_bytes:
             if not selective:
