@@ -55,7 +55,7 @@ import pulp
 
 from planner.costgraph import CostGraph, CostNode
 from planner.errors import InputError
-from planner.highs import PlannerHiGHS
+from planner.highs import HighsOverrunError, PlannerHiGHS
 from planner.rerun import after_last_save_fraction, after_last_save_time_fraction
 from planner.simulate import SimulationResult, simulate
 from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
@@ -82,9 +82,13 @@ class LowerBound:
 def milp_dual_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool = True,
                     gap: float = MIP_GAP) -> tuple[float, bool, str]:
     """HiGHS's proven bound on ``prob``'s optimum (a minimisation): ``(bound, infeasible, method)``.
-    The dual bound is valid when HiGHS stops at its time limit too."""
+    The dual bound is valid when HiGHS stops at its time limit too. A solve abandoned far past
+    its time limit (:class:`planner.highs.HighsOverrunError`) gives the LP relaxation's bound."""
     options = {} if presolve else {"presolve": "off"}
-    prob.solve(PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=gap, **options))
+    try:
+        prob.solve(PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=gap, **options))
+    except HighsOverrunError:
+        return lp_relaxation_bound(prob, time_limit_s)
     if prob.status == pulp.LpStatusInfeasible:
         return math.inf, True, "MILP infeasible (HiGHS)"
     info = prob.solverModel.getInfo()

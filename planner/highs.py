@@ -7,6 +7,15 @@ later solve asking for another count is refused (PuLP then reports no solution).
 that had run HiGHS with its default threads (the user's own PuLP model, say) made every solve
 of the planner, which runs one thread, fail with "found no feasible plan".
 
+A solve that runs far past its time limit is abandoned: HiGHS 1.16.0 can loop for ever in its
+presolve (``strengthenInequalities``, inside a RENS sub-MIP's presolve; no time limit reaches
+it), which hung a sweep on a 2-layer GPT-2 profile at 100 % of one core. The solve runs on a
+daemon thread; when it has not returned :data:`OVERRUN_S` seconds (plus a quarter of the limit)
+after its time limit, :class:`HighsOverrunError` (a ``PulpSolverError``, so the planner solves
+that model with CBC instead) is raised, and HiGHS is reported unavailable for the rest of the
+process: the stuck thread still holds HiGHS's thread scheduler, which every later solve resets.
+The stuck thread keeps one core busy until the process exits.
+
 A search stopped by a node limit (the ``mip_max_nodes`` option, a limit on effort that gives
 the same plan on every machine, unlike a time limit) reads like one stopped by a time limit:
 the best plan found, if any, marked as feasible but not proven optimal (PuLP has no mapping
@@ -27,25 +36,73 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any
+import threading
+import time
+from typing import Any, ClassVar
 
 import pulp
 
 from planner.quiet_highs import absorb_highs_banner
 
-__all__ = ["PlannerHiGHS", "stopped_at_node_limit", "NO_PROBING"]
+__all__ = ["HighsOverrunError", "PlannerHiGHS", "stopped_at_node_limit", "NO_PROBING", "OVERRUN_S"]
+
+log = logging.getLogger(__name__)
 
 #: HiGHS's ``presolve_rule_off`` bit for probing (``2 ** kPresolveRuleProbing``, the value its
 #: own "time limit reached in probing" message names). On the stage ILP of a 3,912-node graph
 #: (1,642 columns, 38,091 nonzeros) probing took 13 of a 20 s solve; without it the same
 #: optimum in 3.6 s (the stage ILP's rows are long running sums, which probing handles slowly)
 NO_PROBING = {"presolve_rule_off": 1 << 15}
+#: seconds past its time limit (plus a quarter of the limit) after which a HiGHS solve is
+#: abandoned as stuck; HiGHS itself stops within about a second of its limit
+OVERRUN_S = 10.0
+
+
+class HighsOverrunError(pulp.PulpSolverError):  # type: ignore[misc, valid-type]
+    """HiGHS ran far past its time limit and its solve was abandoned."""
 
 
 class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
     """:class:`pulp.HiGHS` with the banner absorbed, the thread scheduler reset to its own
-    ``threads`` before each solve, and a node limit read as a feasible, unproven solve."""
+    ``threads`` before each solve, a node limit read as a feasible, unproven solve, and a solve
+    stuck past its time limit abandoned (:class:`HighsOverrunError`).
+
+    ``overrun_s``: seconds past the time limit (plus a quarter of the limit) to wait for HiGHS
+    before abandoning its solve (:data:`OVERRUN_S` by default; no limit when ``timeLimit`` is
+    None)."""
+
+    #: what abandoned a solve in this process (empty while none was): HiGHS is then unavailable
+    abandoned: ClassVar[list[str]] = []
+
+    def __init__(self, *args: Any, overrun_s: float = OVERRUN_S, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.overrun_s = overrun_s
+
+    def available(self) -> bool:
+        """Installed, and no solve in this process was abandoned."""
+        return bool(super().available()) and not PlannerHiGHS.abandoned
+
+    def callSolver(self, lp: Any) -> None:  # noqa: N802 (PuLP's name)
+        if self.timeLimit is None:
+            lp.solverModel.run()
+            return
+        wait_s = self.timeLimit * 1.25 + self.overrun_s
+        solving = threading.Thread(target=lp.solverModel.run, name="HiGHS solve", daemon=True)
+        started = time.perf_counter()
+        solving.start()
+        solving.join(wait_s)
+        if not solving.is_alive():
+            return
+        what = (f"HiGHS ran {time.perf_counter() - started:.0f} s on a {self.timeLimit:g} s time limit "
+                f"({len(lp.variables())} variables, {len(lp.constraints)} constraints) and was abandoned")
+        PlannerHiGHS.abandoned.append(what)
+        lp.solverModel = None  # the stuck thread keeps its own reference
+        log.warning("%s (HiGHS 1.16.0 can loop for ever in its presolve); the planner solves with CBC "
+                    "for the rest of this process (slower), and the stuck solve keeps one core busy until "
+                    "the process exits", what)
+        raise HighsOverrunError(what)
 
     def actualSolve(self, lp: Any) -> Any:  # noqa: N802 (PuLP's name)
         absorb_highs_banner()  # made before PuLP's first Highs object, which would print it

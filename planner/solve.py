@@ -119,7 +119,7 @@ EXACT_SEARCH_S = 30.0
 def available_solvers() -> list[str]:
     """Names of the MILP solvers PuLP can run here, best first."""
     names = []
-    if pulp.HiGHS(msg=False).available():
+    if PlannerHiGHS(msg=False).available():  # not after a stuck solve was abandoned
         names.append("HiGHS")
     if _cbc(0).available():
         names.append("CBC")
@@ -156,7 +156,10 @@ def _choose_solver(name: str | None) -> str:
         raise SolverError("no MILP solver is available: " + " or ".join(KNOWN_SOLVERS.values()))
     chosen = name or names[0]
     if chosen not in names:
-        log.warning("solver %s is not installed (%s); using %s", chosen, KNOWN_SOLVERS[chosen], names[0])
+        if chosen == "HiGHS" and PlannerHiGHS.abandoned:
+            log.info("HiGHS is off for this process (%s); using %s", PlannerHiGHS.abandoned[0], names[0])
+        else:
+            log.warning("solver %s is not installed (%s); using %s", chosen, KNOWN_SOLVERS[chosen], names[0])
         chosen = names[0]
     return chosen
 
