@@ -76,9 +76,9 @@ class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
     #: what abandoned a solve in this process (empty while none was): HiGHS is then unavailable
     abandoned: ClassVar[list[str]] = []
 
-    def __init__(self, *args: Any, overrun_s: float = OVERRUN_S, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, overrun_s: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.overrun_s = overrun_s
+        self.overrun_s = OVERRUN_S if overrun_s is None else overrun_s
 
     def available(self) -> bool:
         """Installed, and no solve in this process was abandoned."""
