@@ -89,14 +89,28 @@ class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
             lp.solverModel.run()
             return
         wait_s = self.timeLimit * 1.25 + self.overrun_s
-        solving = threading.Thread(target=lp.solverModel.run, name="HiGHS solve", daemon=True)
+        failures: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                lp.solverModel.run()
+            except BaseException as exc:  # re-raised on the calling thread
+                failures.append(exc)
+
+        solving = threading.Thread(target=run, name="HiGHS solve", daemon=True)
         started = time.perf_counter()
         solving.start()
-        solving.join(wait_s)
+        try:
+            solving.join(wait_s)
+        except BaseException:  # Ctrl-C: the solve goes on and holds the scheduler, as a stuck one
+            PlannerHiGHS.abandoned.append("a HiGHS solve was interrupted")
+            raise
+        if failures:
+            raise failures[0]
         if not solving.is_alive():
             return
         what = (f"HiGHS ran {time.perf_counter() - started:.0f} s on a {self.timeLimit:g} s time limit "
-                f"({len(lp.variables())} variables, {len(lp.constraints)} constraints) and was abandoned")
+                f"({lp.numVariables()} variables, {lp.numConstraints()} constraints) and was abandoned")
         PlannerHiGHS.abandoned.append(what)
         lp.solverModel = None  # the stuck thread keeps its own reference
         log.warning("%s (HiGHS 1.16.0 can loop for ever in its presolve); the planner solves with CBC "

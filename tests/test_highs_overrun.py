@@ -108,6 +108,20 @@ def test_a_solve_within_its_limit_is_untouched(monkeypatch):
 
 
 @needs_highs
+def test_an_error_in_the_solve_reaches_the_caller(monkeypatch):
+    import highspy
+
+    def failing_run(self):
+        raise RuntimeError("HiGHS failed")
+
+    monkeypatch.setattr(PlannerHiGHS, "abandoned", [])
+    monkeypatch.setattr(highspy.Highs, "run", failing_run)
+    with pytest.raises(RuntimeError, match="HiGHS failed"):
+        _knapsack().solve(PlannerHiGHS(msg=False, timeLimit=10, threads=1))
+    assert PlannerHiGHS.abandoned == []
+
+
+@needs_highs
 def test_the_model_that_hung_highs_returns_within_the_overrun(tmp_path):
     """Run in a child process: an abandoned solve keeps one core busy until its process exits.
     On HiGHS 1.16.0 this model loops in presolve (the abandon path); elsewhere it solves."""
@@ -122,7 +136,7 @@ def test_the_model_that_hung_highs_returns_within_the_overrun(tmp_path):
                             "presolve_rule_off": 1 << 15}}.items():
             h.setOptionValue(key, value)
         h.readModel({str(mps)!r})
-        lp = types.SimpleNamespace(solverModel=h, variables=lambda: [], constraints={{}})
+        lp = types.SimpleNamespace(solverModel=h, numVariables=h.getNumCol, numConstraints=h.getNumRow)
         started = time.perf_counter()
         try:
             PlannerHiGHS(msg=False, timeLimit=2.0, threads=1, overrun_s=2.0).callSolver(lp)
