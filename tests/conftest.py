@@ -1,5 +1,8 @@
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "examples", ROOT / "tests"):
@@ -16,3 +19,16 @@ def pytest_configure(config) -> None:
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _report_an_abandoned_highs_solve():
+    """A HiGHS solve stuck past its time limit (:mod:`planner.highs`) is abandoned and its thread
+    keeps a core busy for the rest of the worker, slowing every later test: say which test hit
+    it, as a warning in the summary."""
+    from planner.highs import PlannerHiGHS
+
+    before = len(PlannerHiGHS.abandoned)
+    yield
+    for what in PlannerHiGHS.abandoned[before:]:
+        warnings.warn(f"{what}; HiGHS is off for the rest of this test worker", RuntimeWarning, stacklevel=1)
