@@ -1,4 +1,5 @@
-"""PuLP's HiGHS interface as the planner runs it: one thread, no banner, and a node limit.
+"""PuLP's HiGHS interface as the planner runs it: one thread, no banner, a node limit, and a stuck
+solve abandoned.
 
 :class:`PlannerHiGHS` keeps HiGHS's start-up banner off standard output
 (:mod:`planner.quiet_highs`) and resets HiGHS's process-wide thread scheduler before each
