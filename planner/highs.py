@@ -87,8 +87,7 @@ class PlannerHiGHS(pulp.HiGHS):  # type: ignore[misc, valid-type]
 
     def callSolver(self, lp: Any) -> None:  # noqa: N802 (PuLP's name)
         if self.timeLimit is None:
-            lp.solverModel.run()
-            return
+            return super().callSolver(lp)
         wait_s = self.timeLimit * 1.25 + self.overrun_s
         failures: list[BaseException] = []
 
