@@ -72,7 +72,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     model, example_inputs = load_entry_point(args.target)
     opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
-                   exact=args.exact or None)
+                   exact=args.exact or None, max_solve_s=args.max_solve_s)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -147,7 +147,8 @@ def _check_command(args: argparse.Namespace) -> int:
     plans = []
     for budget in budgets:
         try:
-            plan = plan_for_budget(graph, budget / 2**30, max_stages=args.max_stages, exact=args.exact or None)
+            plan = plan_for_budget(graph, budget / 2**30, max_stages=args.max_stages, exact=args.exact or None,
+                                   max_solve_s=args.max_solve_s)
             plans.append((budget, plan, None))
         except InfeasibleBudgetError as exc:
             plans.append((budget, None, exc.min_feasible_bytes))
@@ -181,8 +182,10 @@ def _report_command(args: argparse.Namespace) -> int:
         graph = profile_graph(_captured(module, inputs), inputs, fake=True, target=args.target_device)
     else:
         graph = profile_graph(_captured(module, inputs), inputs)
-    plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages, exact=args.exact or None)
-    plans = sweep(graph, points=args.sweep, max_stages=args.max_stages) if args.sweep else []
+    plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages, exact=args.exact or None,
+                           max_solve_s=args.max_solve_s)
+    plans = (sweep(graph, points=args.sweep, max_stages=args.max_stages, max_solve_s=args.max_solve_s)
+             if args.sweep else [])
     bound = None
     if not args.no_bound:
         from planner.costgraph import protect_reads_before_writes
@@ -208,14 +211,18 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow unpickling PATH (runs code from the file)")
     parser.add_argument("--max-stages", type=int, default=32)
-    _add_exact_option(parser)
+    _add_solve_options(parser)
 
 
-def _add_exact_option(parser: argparse.ArgumentParser) -> None:
+def _add_solve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true",
                         help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
                              "large graphs; by default it runs under 64 compute nodes, and under 512 where "
                              "the first plan leaves over 1 %% of the budget unused)")
+    parser.add_argument("--max-solve-s", type=float, metavar="SECONDS",
+                        help="stop improving each plan after SECONDS of solving and use the cheapest found by "
+                             "then (the first ILP still runs to its own limit); default: no bound, so plans do "
+                             "not depend on the machine's speed")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("target", help="file.py:function or module:function returning (model, example_inputs)")
     plan.add_argument("--budget-gb", type=float, required=True, help="peak training-step memory, GiB")
     plan.add_argument("--max-stages", type=int, default=32)
-    _add_exact_option(plan)
+    _add_solve_options(plan)
     plan.add_argument("--format", choices=("text", "json"), default="text")
     plan.set_defaults(func=_plan_command)
     return parser

@@ -27,7 +27,7 @@ from planner.costgraph import (
     shard_parameters,
 )
 from planner.plan import GIB, Plan
-from planner.solve import solve
+from planner.solve import check_time_limit, solve
 
 __all__ = ["optimize", "plan_for_budget"]
 
@@ -78,6 +78,7 @@ def plan_for_budget(
     world_size: int = 1,
     grads_held: bool = False,
     exact: bool | None = None,
+    max_solve_s: float | None = None,
 ) -> Plan:
     """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
 
@@ -88,7 +89,7 @@ def plan_for_budget(
     ``world_size`` > 1 plans the per-rank step with parameters and their gradients sharded over
     that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
-    ``exact``: see :func:`planner.solve.solve`.
+    ``exact`` and ``max_solve_s``: see :func:`planner.solve.solve`.
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -113,7 +114,7 @@ def plan_for_budget(
     graph = protect_reads_before_writes(graph)
     try:
         plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                     selective=selective, exact=exact)
+                     selective=selective, exact=exact, max_solve_s=max_solve_s)
     except InfeasibleBudgetError as exc:
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, safety_margin)) from None
@@ -137,6 +138,7 @@ def optimize(
     cache_dir: str | None = None,
     progress: bool = False,
     exact: bool | None = None,
+    max_solve_s: float | None = None,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -150,7 +152,7 @@ def optimize(
         trace_method: ``"export"`` (default) or ``"symbolic_trace"``.
         max_stages: how many stages the graph is reduced to before the ILP.
         solver: ``"HiGHS"`` or ``"CBC"``; the best installed one when None.
-        time_limit_s: solver time limit per solve.
+        time_limit_s: solver time limit per ILP solve (a plan takes several).
         timing_repeats: warm training steps each node is timed in (after one untimed step);
             the median is used (:mod:`profiling.node_times`).
         safety_margin: fraction of the budget kept free for what the memory model does not see
@@ -175,6 +177,11 @@ def optimize(
             than 1 % of the budget unused (up to 30 s; 14 to 22 % less recompute on the quality
             models where it ran); True: always, which on a real model whose ILP plan fills the
             budget costs up to 2x the solve time and rarely finds a cheaper plan (README).
+        max_solve_s: stop improving the plan after this many seconds of solving and return the
+            cheapest found by then (``plan.hit_time_limit`` says it was cut). The first ILP, and
+            the search for the smallest budget when none fits, still run to ``time_limit_s``.
+            None (default): no bound, so plans do not depend on the machine's speed; on a
+            1,000-node GPT-2 a solve takes 4 to 33 s (README "Solve time").
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -197,9 +204,12 @@ def optimize(
     _budget_bytes(budget_gb)
     if reserve_gb:
         _budget_bytes(reserve_gb, "reserve_gb")
+    check_time_limit(time_limit_s)
+    if max_solve_s is not None:
+        check_time_limit(max_solve_s, "max_solve_s")
     check_model_and_inputs(model, example_inputs)
     replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
-                       safety_margin, selective, world_size, cache_dir, progress, exact)
+                       safety_margin, selective, world_size, cache_dir, progress, exact, max_solve_s)
     gm, plan, graph = replan(model, example_inputs)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
@@ -231,6 +241,7 @@ class Replanner:
     cache_dir: str | None = None
     progress: bool = False
     exact: bool | None = None
+    max_solve_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -251,7 +262,8 @@ class Replanner:
             plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
                                    safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
                                    time_limit_s=self.time_limit_s, selective=self.selective,
-                                   world_size=self.world_size, grads_held=grads_held, exact=self.exact)
+                                   world_size=self.world_size, grads_held=grads_held, exact=self.exact,
+                                   max_solve_s=self.max_solve_s)
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
@@ -271,4 +283,4 @@ class Replanner:
         return plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb, safety_margin=self.safety_margin,
                                max_stages=self.max_stages, solver=self.solver, time_limit_s=self.time_limit_s,
                                selective=self.selective, world_size=self.world_size, grads_held=grads_held,
-                               exact=self.exact)
+                               exact=self.exact, max_solve_s=self.max_solve_s)

@@ -46,6 +46,7 @@ from typing import Any
 import pulp
 
 from planner.costgraph import CostGraph
+from planner.deadline import SolveDeadline
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
 from planner.plan import Plan, Segment
 from planner.keep import keep_outputs, keepable_in_segment, segment_with_kept
@@ -56,7 +57,7 @@ from planner.simulate import simulate
 from planner.stage_model import StageModel, build_stage_model
 from planner.stages import Stage, build_stages
 
-__all__ = ["solve", "minimum_peak_plan", "available_solvers"]
+__all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,16 @@ def _cbc(time_limit_s: float) -> pulp.LpSolver:
 KNOWN_SOLVERS = {"HiGHS": "pip install highspy", "CBC": "pip install pulp (its wheels bundle CBC)"}
 
 
-def _check_time_limit(time_limit_s: float, name: str = "time_limit_s") -> None:
+def check_time_limit(time_limit_s: float, name: str = "time_limit_s") -> None:
+    """Raise :class:`InputError` unless ``time_limit_s`` is a positive, finite number of seconds.
+
+    Example:
+        >>> check_time_limit(10.0)
+        >>> check_time_limit(0, "max_solve_s")
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: max_solve_s must be a positive number of seconds, got 0
+    """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0 \
             or not math.isfinite(time_limit_s):
         raise InputError(f"{name} must be a positive number of seconds, got {time_limit_s!r}")
@@ -466,9 +476,9 @@ def minimum_peak_plan(
 
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
     """
-    _check_time_limit(time_limit_s)
+    check_time_limit(time_limit_s)
     if exact_s is not None:
-        _check_time_limit(exact_s, "exact_s")
+        check_time_limit(exact_s, "exact_s")
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
     model = build_stage_model(graph, stages, max_segment_stages=len(stages))
@@ -553,6 +563,7 @@ def solve(
     exact_s: float = EXACT_SEARCH_S,
     finer_rounds: int = FINER_PASS_ROUNDS,
     short_segments: bool = True,
+    max_solve_s: float | None = None,
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
 
@@ -572,6 +583,15 @@ def solve(
     and, separately, its rounds: it is a guard, not a limit on the whole solve (on a 24-layer
     GPT-2 at 60 % of its peak the start on 491 stages ran into it, README "Solve time"). With ``exact``
     too, the cheapest of the exact search's plan and the finer passes'.
+
+    ``max_solve_s`` bounds the work after the first ILP's plan: the finer rounds, the
+    short-segment starts, the exact search and the cost search run only in what is left of
+    ``max_solve_s`` seconds from the start, each cut to fit, and the plan is the cheapest
+    found by then (``hit_time_limit`` is set when something was cut). The first ILP (up to
+    ``time_limit_s``) and, when it finds no plan, the search for one or for the smallest
+    feasible budget are not bounded by it: a plan is never given up for time. ``None``
+    (default): no such bound, so the plan does not depend on the machine's speed beyond the
+    limits above.
 
     ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
     account, solved and checked against the simulator until a plan fits, which either proves
@@ -611,9 +631,12 @@ def solve(
         budget_bytes = int(budget_bytes)
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-    _check_time_limit(time_limit_s)
-    _check_time_limit(exact_s, "exact_s")
+    check_time_limit(time_limit_s)
+    check_time_limit(exact_s, "exact_s")
+    if max_solve_s is not None:
+        check_time_limit(max_solve_s, "max_solve_s")
     started = time.perf_counter()
+    deadline = SolveDeadline(started, max_solve_s)
     unoptimized = simulate(graph).peak_bytes
     if unoptimized <= budget_bytes:
         return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
@@ -627,23 +650,31 @@ def solve(
     finer = None
     if plan is not None and finer_s > 0 and finer_rounds > 0:
         finer_limit_s = min(finer_s, time_limit_s)
-        finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
-                                 solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
-                                 started=started, rounds=finer_rounds)
+        if deadline.allows("the finer rounds"):
+            finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
+                                     solver=solver, time_limit_s=deadline.cut(finer_limit_s),
+                                     max_attempts=max_attempts, started=started, rounds=finer_rounds)
         for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages)
                                                 if short_segments and not selective else []):
+            if not deadline.allows(f"the short segments on {stage_count} stages"):
+                break
             short, short_stages = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes,
-                                                       unoptimized, solver, finer_limit_s, max_attempts, started)
-            if short is not None:
+                                                       unoptimized, solver, deadline.cut(finer_limit_s),
+                                                       max_attempts, started)
+            if short is not None and deadline.allows(f"the finer rounds after {short_stages} stages"):
                 short = _on_finer_stages(graph, short, short_stages, budget_bytes, unoptimized, selective=False,
-                                         solver=solver, time_limit_s=finer_limit_s, max_attempts=max_attempts,
-                                         started=started, rounds=finer_rounds, every_round_capped=True)
-                if short.recompute_ms < finer.recompute_ms:
-                    finer = short
+                                         solver=solver, time_limit_s=deadline.cut(finer_limit_s),
+                                         max_attempts=max_attempts, started=started, rounds=finer_rounds,
+                                         every_round_capped=True)
+            if short is not None and (finer is None or short.recompute_ms < finer.recompute_ms):
+                finer = short
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     proven_infeasible = False
     search_s = time_limit_s if exact else min(time_limit_s, exact_s)
-    if not selective and _cost_search_on(graph, exact, cheaper, budget_bytes):
+    if cheaper is not None:  # with a plan in hand the search only improves it: bounded by the deadline
+        search_s = deadline.cut(search_s)
+    if (not selective and _cost_search_on(graph, exact, cheaper, budget_bytes)
+            and (cheaper is None or deadline.allows("the exact search"))):
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
                  "the ILP found none" if cheaper is None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
@@ -655,7 +686,8 @@ def solve(
     if plan is not None:
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
         # a plan only the search found gets the cost search the fallback below would get
-        plan = _refined(graph, plan, budget_bytes, refine_s if polish or not ilp_found else 0.0, started)
+        polish_s = deadline.cut(refine_s) if polish and ilp_found and deadline.allows("the cost search") else 0.0
+        plan = _refined(graph, plan, budget_bytes, polish_s if ilp_found else refine_s, started)
     else:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s, exact=_exact_search_on(graph, exact),
@@ -675,7 +707,8 @@ def solve(
         try:
             plain = solve(graph, budget_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                           max_attempts=max_attempts, refine_s=refine_s, polish=polish, exact=exact, finer_s=finer_s,
-                          exact_s=exact_s, finer_rounds=finer_rounds, short_segments=short_segments)
+                          exact_s=exact_s, finer_rounds=finer_rounds, short_segments=short_segments,
+                          max_solve_s=deadline.left_s_or_none())
         except InfeasibleBudgetError:
             if plan is None:
                 raise
@@ -683,8 +716,12 @@ def solve(
         # when keeping pays nowhere (the policy costs more than it saves) this is the segments-only optimum
         plan = _with_kept_outputs(graph, [p for p in (plan, plain) if p is not None], budget_bytes, fallback,
                                   max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                  refine_s=refine_s)
+                                  refine_s=refine_s, deadline=deadline)
         plan = dataclasses.replace(plan, solve_s=time.perf_counter() - started)
+    if deadline.reached():
+        log.info("max_solve_s=%g s reached after %.1f s: the plan is the cheapest found by then (%.2f ms)",
+                 max_solve_s, time.perf_counter() - started, plan.recompute_ms)
+        plan = dataclasses.replace(plan, hit_time_limit=True)
     return plan
 
 
@@ -845,6 +882,7 @@ def _with_kept_outputs(
     solver: str | None,
     time_limit_s: float,
     refine_s: float,
+    deadline: SolveDeadline | None = None,
 ) -> Plan:
     """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
     on their segments, on the finer ones of the smallest-peak plan (``fallback``, solved here
@@ -862,7 +900,10 @@ def _with_kept_outputs(
             starts.append((tuple(segments), f"every one of {count} stages"))
     best = min(plans, key=lambda p: p.recompute_ms)
     for segments, solver_name in starts:
-        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=max(refine_s, 1.0))
+        if deadline is not None and not deadline.allows(f"keeping outputs in the plan of {solver_name}"):
+            break
+        keep_s = max(refine_s, 1.0) if deadline is None else deadline.cut(max(refine_s, 1.0))
+        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=keep_s)
         cost = sum(s.recompute_ms for s in kept)
         if kept and cost < best.recompute_ms - 1e-9:
             peak = simulate(graph, kept).peak_bytes

@@ -40,6 +40,7 @@ def sweep(
     solver: str | None = None,
     time_limit_s: float = 60.0,
     safety_margin: float = 0.01,
+    max_solve_s: float | None = None,
 ) -> list[Plan]:
     """One plan per budget, smallest budget first; infeasible budgets are skipped.
 
@@ -48,6 +49,7 @@ def sweep(
     costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
     used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
     ``safety_margin`` below its budget (allocator rounding the profile does not see).
+    ``max_solve_s`` bounds each budget's solve (:func:`planner.solve.solve`).
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
@@ -64,7 +66,7 @@ def sweep(
     for n, budget in enumerate(sorted(budgets_bytes), start=1):
         try:
             plan = solve(graph, int(budget * (1 - safety_margin)), max_stages=max_stages, solver=solver,
-                         time_limit_s=time_limit_s)
+                         time_limit_s=time_limit_s, max_solve_s=max_solve_s)
             plan = dataclasses.replace(plan, budget_bytes=int(budget))
             if plans and plans[-1].recompute_ms < plan.recompute_ms:
                 plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))

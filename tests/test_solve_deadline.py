@@ -1,0 +1,117 @@
+"""``max_solve_s``: the phases after the first ILP's plan run only in what is left of it."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from planner import InputError, simulate, solve
+from planner.deadline import MIN_PHASE_S, SolveDeadline
+from planner.pipeline import plan_for_budget
+from planner.sweep import sweep
+
+solve_module = importlib.import_module("planner.solve")
+
+PROFILE = Path(__file__).parent / "data" / "gpt2_4layer_profile.json"
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    from profiling.cache import load_profile
+
+    return load_profile(PROFILE)
+
+
+def test_a_spent_bound_returns_the_first_ilps_plan(gpt2_graph, caplog):
+    """With no time left every improving phase is skipped: the plan is the one the first ILP
+    (stopped by its node limit, the same on every machine) gives with the phases turned off."""
+    g = gpt2_graph
+    budget = int(simulate(g).peak_bytes * 0.6)
+    first_only = solve(g, budget, max_stages=4, exact=False, finer_rounds=0, short_segments=False, refine_s=0)
+    with caplog.at_level(logging.INFO, logger="planner.deadline"):
+        bounded = solve(g, budget, max_stages=4, max_solve_s=1e-3, polish=True)
+    assert bounded.segments == first_only.segments
+    assert bounded.hit_time_limit and not first_only.hit_time_limit
+    assert simulate(g, bounded.segments).peak_bytes <= budget
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert any("the finer rounds" in m for m in skipped), skipped
+    assert "(stopped at the time limit)" in bounded.summary()
+    # the unbounded solve improves on it, so the phases the bound skipped were worth something
+    unbounded = solve(g, budget, max_stages=4)
+    assert unbounded.recompute_ms < bounded.recompute_ms and not unbounded.hit_time_limit
+
+
+def test_each_phase_gets_at_most_what_is_left(gpt2_graph, monkeypatch):
+    """Every finer round and short-segment start is started with at least ``MIN_PHASE_S`` left
+    and given no more than what is left; and each sees a clock that has moved on (here: every
+    phase takes 0.4 s), so later ones are cut and then skipped."""
+    g = gpt2_graph
+    budget = int(simulate(g).peak_bytes * 0.8)
+    max_solve_s = 1.5
+    calls: list[tuple[str, float, float]] = []
+    started = [0.0]
+
+    def recorded(name, real, limit_position):
+        def wrapper(*args, **kwargs):
+            limit_s = kwargs["time_limit_s"] if "time_limit_s" in kwargs else args[limit_position]
+            left_s = started[0] + max_solve_s - time.perf_counter()
+            calls.append((name, limit_s, left_s))
+            time.sleep(0.4)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(solve_module, "_on_finer_stages",
+                        recorded("finer", solve_module._on_finer_stages, None))
+    monkeypatch.setattr(solve_module, "_short_segments_plan",
+                        recorded("short", solve_module._short_segments_plan, 6))
+    started[0] = time.perf_counter()
+    plan = solve(g, budget, max_stages=4, max_solve_s=max_solve_s)
+    assert calls, "no phase ran"
+    for name, limit_s, left_s in calls:
+        assert left_s >= MIN_PHASE_S - 0.05, (name, left_s)
+        assert limit_s <= left_s + 0.05, (name, limit_s, left_s)
+    # the 0.4 s phases (and the ILPs inside them) cannot all fit: some were skipped
+    assert plan.hit_time_limit
+    assert len(calls) < 4, calls  # unbounded, this graph runs finer rounds and two short starts
+    assert simulate(g, plan.segments).peak_bytes <= budget
+
+
+def test_without_a_bound_nothing_is_cut():
+    deadline = SolveDeadline(time.perf_counter() - 1e6, None)
+    assert deadline.allows("anything") and deadline.cut(7.0) == 7.0 and not deadline.reached()
+    assert deadline.left_s_or_none() is None
+
+
+def test_a_bound_cuts_limits_and_a_nested_solve_gets_what_is_left():
+    deadline = SolveDeadline(time.perf_counter(), 5.0)
+    assert 4.0 < deadline.cut(60.0) <= 5.0 and deadline.cut(1.0) == 1.0
+    assert 4.0 < deadline.left_s_or_none() <= 5.0 and not deadline.reached()
+    spent = SolveDeadline(time.perf_counter() - 10.0, 5.0)
+    assert spent.left_s_or_none() == pytest.approx(1e-3) and spent.cut(3.0) == pytest.approx(1e-3)
+    assert spent.reached()  # the time is spent, even before a phase asks
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "10", True])
+def test_a_bad_bound_is_refused(bad, gpt2_graph):
+    with pytest.raises(InputError, match="max_solve_s must be a positive number of seconds"):
+        solve(gpt2_graph, int(simulate(gpt2_graph).peak_bytes * 0.6), max_solve_s=bad)
+
+
+def test_the_bound_reaches_the_solve_from_plan_for_budget_and_sweep(gpt2_graph, monkeypatch):
+    seen: list[float | None] = []
+    real = solve_module.solve
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_solve_s"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("planner.pipeline.solve", spy)
+    monkeypatch.setattr("planner.sweep.solve", spy)
+    peak_gb = simulate(gpt2_graph).peak_bytes / 2**30
+    plan_for_budget(gpt2_graph, peak_gb * 0.7, max_stages=4, max_solve_s=2.0)
+    sweep(gpt2_graph, [int(peak_gb * 0.8 * 2**30)], max_stages=4, max_solve_s=3.0)
+    assert seen == [2.0, 3.0]
