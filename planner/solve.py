@@ -45,6 +45,7 @@ from typing import Any
 
 import pulp
 
+from planner.chain_dp import ChainSearchTooLarge, cheapest_segments
 from planner.costgraph import CostGraph
 from planner.deadline import SolveDeadline
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
@@ -65,6 +66,8 @@ MIB = float(2**20)
 #: Relative optimality gap the MIP solvers stop at: plans cost at most 1 % more than the optimum
 #: of the ILP (the last few tenths of a percent take most of the solve time).
 MIP_GAP = 0.01
+#: the solver name of plans found by :func:`_solve_chain`
+CHAIN_DP = "chain DP"
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 #: each ILP on finer stages stops after this many branch-and-bound nodes (an effort limit: the
 #: same plan on every machine); all of them together stop after this many seconds (a guard)
@@ -418,6 +421,16 @@ def _solve_ilp(
     return _IlpResult(sorted(chosen), name, gap, hit_time_limit, kept)
 
 
+def _solve_chain(model: StageModel, budget_mib: float) -> _IlpResult | None:
+    """The same model as :func:`_solve_ilp` at ``budget_mib``, solved to its optimum by dynamic
+    programming over the stage chain (:mod:`planner.chain_dp`); None when no plan fits.
+    Segments-only models (no keep options)."""
+    chosen = cheapest_segments(model, budget_mib)
+    if chosen is None:
+        return None
+    return _IlpResult(chosen, CHAIN_DP, 0.0, False)
+
+
 def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
               kept: frozenset[str] = frozenset()) -> list[Segment]:
     """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost,
@@ -642,8 +655,9 @@ def solve(
         return _to_plan(graph, [], budget_bytes, unoptimized, unoptimized, "none", 0.0)
     stages = build_stages(graph, max_stages)
     model = build_stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
+    by_chain_dp = solver is None  # a solver named by the caller solves every stage model
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
-                      node_limit=FIRST_ILP_NODES, node_limit_needs_plan=True)
+                      node_limit=FIRST_ILP_NODES, node_limit_needs_plan=True, by_chain_dp=by_chain_dp)
     ilp_found = plan is not None
     if finer_rounds < 0:
         raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
@@ -653,19 +667,20 @@ def solve(
         if deadline.allows("the finer rounds"):
             finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
                                      solver=solver, time_limit_s=deadline.cut(finer_limit_s),
-                                     max_attempts=max_attempts, started=started, rounds=finer_rounds)
+                                     max_attempts=max_attempts, started=started, rounds=finer_rounds,
+                                     by_chain_dp=by_chain_dp)
         for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages)
                                                 if short_segments and not selective else []):
             if not deadline.allows(f"the short segments on {stage_count} stages"):
                 break
             short, short_stages = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes,
                                                        unoptimized, solver, deadline.cut(finer_limit_s),
-                                                       max_attempts, started)
+                                                       max_attempts, started, by_chain_dp)
             if short is not None and deadline.allows(f"the finer rounds after {short_stages} stages"):
                 short = _on_finer_stages(graph, short, short_stages, budget_bytes, unoptimized, selective=False,
                                          solver=solver, time_limit_s=deadline.cut(finer_limit_s),
                                          max_attempts=max_attempts, started=started, rounds=finer_rounds,
-                                         every_round_capped=True)
+                                         every_round_capped=True, by_chain_dp=by_chain_dp)
             if short is not None and (finer is None or short.recompute_ms < finer.recompute_ms):
                 finer = short
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
@@ -751,7 +766,7 @@ def short_segment_shapes(compute_count: int, max_stages: int = 32) -> list[tuple
 
 def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages: int, budget_bytes: int,
                          unoptimized: int, solver: str | None, time_limit_s: float, max_attempts: int,
-                         started: float) -> tuple[Plan | None, int]:
+                         started: float, by_chain_dp: bool = False) -> tuple[Plan | None, int]:
     """The ILP's plan on about ``stage_count`` stages with no segment longer than
     ``max_segment_stages`` of them (a shape from :func:`short_segment_shapes`; stopped after
     :data:`FINER_PASS_NODES` branch-and-bound nodes), or None when it finds none; and how many
@@ -763,7 +778,7 @@ def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages:
     model = build_stage_model(graph, stages, max_segment_stages=max_segment_stages)
     try:
         plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
-                          node_limit=FINER_PASS_NODES)
+                          node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
     except SolverError as exc:
         log.info("short segments on %d stages: no plan (%s)", len(stages), exc)
         return None, len(stages)
@@ -787,6 +802,7 @@ def _on_finer_stages(
     started: float,
     rounds: int = 1,
     every_round_capped: bool = False,
+    by_chain_dp: bool = False,
 ) -> Plan:
     """``plan`` (found on ``stage_count`` stages), or a cheaper one from the ILP on about twice
     as many stages, every boundary of ``plan`` among them and no segment longer than its
@@ -822,7 +838,7 @@ def _on_finer_stages(
 
         def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
             return _tightened(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
-                              node_limit=FINER_PASS_NODES)
+                              node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
                                                 max_candidates=FINER_ROUND_MAX_CANDIDATES if capped else None)
@@ -984,14 +1000,24 @@ def _tightened(
     started: float,
     node_limit: int | None = None,
     node_limit_needs_plan: bool = False,
+    by_chain_dp: bool = False,
 ) -> Plan | None:
     """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
     fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
     ``(tightened)`` in its solver name. ``node_limit`` and ``node_limit_needs_plan``: of each
-    solve (:func:`_solve_ilp`)."""
+    solve (:func:`_solve_ilp`). ``by_chain_dp``: solve a segments-only model by dynamic
+    programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time)."""
     target_mib = budget_bytes / MIB
+    chain = by_chain_dp and not any(model.keep_options)
     for attempt in range(max_attempts):
-        result = _solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
+        if chain:
+            try:
+                result = _solve_chain(model, target_mib)
+            except ChainSearchTooLarge as exc:
+                log.info("%s on %d stages: %s; solving the ILP instead", CHAIN_DP, len(model.stages), exc)
+                chain = False
+        if not chain:
+            result = _solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
         if result is None:
             return None
         segments = _segments(graph, model, result.chosen, result.kept)

@@ -185,7 +185,8 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = (floor + simulate(g).peak_bytes) // 2
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
-        plan = solve(g, budget, refine_s=0, exact=False)  # the ILP's own plan
+        # the ILP's own plan (a named solver: by default this model is solved by the chain DP)
+        plan = solve(g, budget, refine_s=0, exact=False, solver=solve_module.available_solvers()[0])
     assert plan.hit_time_limit and plan.segments
     assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
     assert plan.optimality_gap is not None and plan.optimality_gap >= 0
@@ -199,7 +200,7 @@ def test_the_first_ilp_stops_at_its_node_limit_with_its_plan_and_proven_gap(monk
     same graph is solved within the 1 % gap, at no more cost."""
     g = mlp_blocks(12)
     budget = int(simulate(g).peak_bytes * 0.4)
-    options = {"finer_rounds": 0, "exact": False, "refine_s": 0}  # the first ILP's own plan
+    options = {"finer_rounds": 0, "exact": False, "refine_s": 0, "solver": "HiGHS"}  # the first ILP's own plan
     monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", 1)
     with caplog.at_level(logging.INFO, logger="planner.solve"):
         limited = solve(g, budget, **options)
