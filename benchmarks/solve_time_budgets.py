@@ -1,17 +1,19 @@
-"""Solve time across budgets, with the first ILP's node limit and without it.
+"""Solve time across budgets: the default solve (the chain DP for segments-only stage
+models) against the same solve with HiGHS on every stage model (the ILP path, the default
+before the chain DP).
 
-``benchmarks/solve_time.py`` times one budget (half the peak). The solve time moves a lot with
-the budget: the first ILP (on 32 stages) often finds its plan at the root and then spends up to
-its time limit proving it. This script solves GPT-2-style graphs at several budgets, twice each:
-with the defaults (the first ILP stopped after :data:`planner.solve.FIRST_ILP_NODES`
-branch-and-bound nodes) and with that limit lifted (the default before), and reports both solve
-times and whether the plans are the same.
+``benchmarks/solve_time.py`` times one budget (half the peak); solve time moves a lot with
+the budget. This script solves GPT-2-style graphs at several budgets, twice each: with the
+defaults (``solver=None``: :mod:`planner.chain_dp` for the first plan, the finer rounds and the
+short-segment starts) and with ``solver="HiGHS"`` (every stage model through the MILP, its
+node limits and 1 % gap), and reports both solve times, both plans' predicted recompute and
+whether the plans are the same.
 
 Graphs: GPT-2 (width 256, batch 4 x 128) profiled on fake tensors (``--fake-layers``, roofline
 times, as in ``solve_time.py``) and GPT-2 (width 256, batch 8 x 256, as in
 ``finer_rounds.py``) profiled on this CPU for real (``--real-layers``: measured node times,
 which make harder ILPs than roofline times). Budgets are fractions of the simulated
-unoptimized peak; solves run one at a time in one process, interleaved (default, unlimited) per
+unoptimized peak; solves run one at a time in one process, interleaved (default, HiGHS) per
 budget.
 
     python benchmarks/solve_time_budgets.py [--fake-layers 17 94] [--real-layers 12 24]
@@ -21,7 +23,6 @@ budget.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import time
 
@@ -30,14 +31,11 @@ import torch
 from common import add_output_arguments, benchmark_logging, publish_table
 from models import gpt2
 
-from planner import simulate
+from planner import simulate, solve
 from planner.costgraph import CostGraph
 from planner.errors import InfeasibleBudgetError
 from planner.plan import Plan
 from profiling import profile_graph, trace_module
-
-# ``planner.solve`` the attribute is the function; the module is reached by its import name
-solve_module = importlib.import_module("planner.solve")
 
 log = logging.getLogger("solve_time_budgets")
 
@@ -45,18 +43,13 @@ README_MARKERS = ("<!-- benchmarks/solve_time_budgets.py --readme: begin -->",
                   "<!-- benchmarks/solve_time_budgets.py --readme: end -->")
 
 
-def timed_solve(graph: CostGraph, budget_bytes: int, first_ilp_nodes: int | None) -> tuple[Plan | None, float]:
-    """The plan at ``budget_bytes`` (None where the budget is infeasible) and its solve time, with
-    the first ILP stopped after ``first_ilp_nodes`` nodes (None: no node limit)."""
-    default = solve_module.FIRST_ILP_NODES
-    solve_module.FIRST_ILP_NODES = first_ilp_nodes
+def timed_solve(graph: CostGraph, budget_bytes: int, solver: str | None) -> tuple[Plan | None, float]:
+    """The plan at ``budget_bytes`` (None where the budget is infeasible) and its solve time."""
     started = time.perf_counter()
     try:
-        plan: Plan | None = solve_module.solve(graph, budget_bytes)
+        plan: Plan | None = solve(graph, budget_bytes, solver=solver)
     except InfeasibleBudgetError:
         plan = None
-    finally:
-        solve_module.FIRST_ILP_NODES = default
     return plan, time.perf_counter() - started
 
 
@@ -66,22 +59,25 @@ def _same(a: Plan | None, b: Plan | None) -> str:
     return "yes" if [s.node_names for s in a.segments] == [s.node_names for s in b.segments] else "no"
 
 
+def _share(plan: Plan | None, graph: CostGraph) -> str:
+    return "infeasible" if plan is None else f"{100 * plan.recompute_ms / graph.step_ms:.1f} %"
+
+
 def graph_rows(label: str, graph: CostGraph, fractions: list[float]) -> tuple[list[str], list[float], list[float]]:
-    """The table rows of one graph, and its solve times with the node limit and without."""
+    """The table rows of one graph, and its solve times by default and with HiGHS."""
     unoptimized = simulate(graph).peak_bytes
-    rows, limited_s, unlimited_s = [], [], []
+    rows, default_s, highs_s = [], [], []
     for fraction in fractions:
         budget = int(unoptimized * fraction)
-        limited, limited_time = timed_solve(graph, budget, solve_module.FIRST_ILP_NODES)
-        unlimited, unlimited_time = timed_solve(graph, budget, None)
-        limited_s.append(limited_time)
-        unlimited_s.append(unlimited_time)
-        recompute = "infeasible" if limited is None else f"{100 * limited.recompute_ms / graph.step_ms:.1f} %"
-        rows.append(f"| {label} | {len(graph.compute_nodes)} | {fraction:.0%} | {limited_time:.1f} s "
-                    f"| {unlimited_time:.1f} s | {_same(limited, unlimited)} | {recompute} |")
-        log.info("%s at %.0f %%: %.1f s, %.1f s without the node limit", label, 100 * fraction, limited_time,
-                 unlimited_time)
-    return rows, limited_s, unlimited_s
+        default, default_time = timed_solve(graph, budget, None)
+        highs, highs_time = timed_solve(graph, budget, "HiGHS")
+        default_s.append(default_time)
+        highs_s.append(highs_time)
+        rows.append(f"| {label} | {len(graph.compute_nodes)} | {fraction:.0%} | {default_time:.1f} s "
+                    f"| {highs_time:.1f} s | {_same(default, highs)} | {_share(default, graph)} "
+                    f"| {_share(highs, graph)} |")
+        log.info("%s at %.0f %%: %.1f s, %.1f s with HiGHS", label, 100 * fraction, default_time, highs_time)
+    return rows, default_s, highs_s
 
 
 def run(fake_layers: list[int], real_layers: list[int], fractions: list[float]) -> str:
@@ -96,20 +92,21 @@ def run(fake_layers: list[int], real_layers: list[int], fractions: list[float]) 
         graphs.append((f"{layers} layers, CPU profile", profile_graph(trace_module(model, example), example)))
     lines = [
         f"Solve time at each budget (a fraction of the simulated unoptimized peak), this 2-core machine, "
-        f"torch {torch.__version__}: the defaults (first ILP stopped after {solve_module.FIRST_ILP_NODES} "
-        "branch-and-bound nodes) against no node limit there (before); whether both give the same plan; "
-        "the plan's predicted recompute as a share of the step.\n",
-        "| graph | compute nodes | budget | solve | solve, no first-ILP node limit | same plan | predicted recompute |",
-        "|---|---|---|---|---|---|---|",
+        f"torch {torch.__version__}: the defaults (chain DP) against HiGHS on every stage model (the ILP "
+        "path, the default before); whether both give the same plan; each plan's predicted recompute as a "
+        "share of the step.\n",
+        "| graph | compute nodes | budget | solve | solve, HiGHS | same plan | predicted recompute "
+        "| predicted recompute, HiGHS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    summary = ["", "| graph | compute nodes | slowest solve | slowest, no first-ILP node limit | upper median "
-               "| upper median, no limit |", "|---|---|---|---|---|---|"]
+    summary = ["", "| graph | compute nodes | slowest solve | slowest, HiGHS | upper median "
+               "| upper median, HiGHS |", "|---|---|---|---|---|---|"]
     for label, graph in graphs:
-        rows, limited_s, unlimited_s = graph_rows(label, graph, fractions)
+        rows, default_s, highs_s = graph_rows(label, graph, fractions)
         lines += rows
-        summary.append(f"| {label} | {len(graph.compute_nodes)} | {max(limited_s):.1f} s | {max(unlimited_s):.1f} s "
-                       f"| {sorted(limited_s)[len(limited_s) // 2]:.1f} s "
-                       f"| {sorted(unlimited_s)[len(unlimited_s) // 2]:.1f} s |")
+        summary.append(f"| {label} | {len(graph.compute_nodes)} | {max(default_s):.1f} s | {max(highs_s):.1f} s "
+                       f"| {sorted(default_s)[len(default_s) // 2]:.1f} s "
+                       f"| {sorted(highs_s)[len(highs_s) // 2]:.1f} s |")
     lines += summary
     lines.append(f"\nWall time {(time.perf_counter() - started) / 60:.1f} min (profiles and both solves).\n")
     return "\n".join(lines) + "\n"

@@ -151,7 +151,9 @@ def optimize(
         reserve_gb: room set aside inside the budget (e.g. for optimizer state).
         trace_method: ``"export"`` (default) or ``"symbolic_trace"``.
         max_stages: how many stages the graph is reduced to before the ILP.
-        solver: ``"HiGHS"`` or ``"CBC"``; the best installed one when None.
+        solver: None (default): segments-only stage models are solved exactly by dynamic
+            programming over the stage chain, the rest (selective plans, the smallest peak) by
+            the best installed MILP solver; ``"HiGHS"`` or ``"CBC"``: that MILP solver for all.
         time_limit_s: solver time limit per ILP solve (a plan takes several).
         timing_repeats: warm training steps each node is timed in (after one untimed step);
             the median is used (:mod:`profiling.node_times`).
@@ -180,8 +182,9 @@ def optimize(
         max_solve_s: stop improving the plan after this many seconds of solving and return the
             cheapest found by then (``plan.hit_time_limit`` says it was cut). The first ILP, and
             the search for the smallest budget when none fits, still run to ``time_limit_s``.
-            None (default): no bound, so plans do not depend on the machine's speed; on a
-            1,000-node GPT-2 a solve takes 4 to 33 s (README "Solve time").
+            None (default): no bound, so plans do not depend on the machine's speed. The
+            chain DP (default ``solver``) makes segments-only solves fast; the bound matters most
+            for ``selective=True`` and named MILP solvers (README "Solve time").
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
