@@ -105,6 +105,14 @@ SHORT_SEGMENT_MAX_STAGES = 8
 #: first stages (the same shapes scaled down) the rounds from the first start were cheaper at
 #: three budgets of four
 SHORT_SEGMENT_MAX_STAGES_DEEP = 6
+#: with the chain DP, a last start on one stage per compute node (at most this many stages)
+#: with segments of at most :data:`FINEST_MAX_SEGMENT_STAGES`: too many binaries for the ILP,
+#: about a second for the DP (2,048 on a 94-layer graph took 15 to 20 s more and only once
+#: found a cheaper plan). On saved profiles at 40 to 80 % of the peak it cut the
+#: predicted recompute of a 4-layer GPT-2 by 0 to 39 % (most where the budget is roomy) and of
+#: 12- and 24-layer GPT-2s by up to 21 and 27 % (README "How the planner decides")
+FINEST_STAGES = 1024
+FINEST_MAX_SEGMENT_STAGES = 10
 #: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
 #: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
 #: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
@@ -676,7 +684,8 @@ def solve(
                                      solver=solver, time_limit_s=deadline.cut(finer_limit_s),
                                      max_attempts=max_attempts, started=started, rounds=finer_rounds,
                                      by_chain_dp=by_chain_dp)
-        for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages)
+        for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages,
+                                                                     finest=by_chain_dp)
                                                 if short_segments and not selective else []):
             if not deadline.allows(f"the short segments on {stage_count} stages"):
                 break
@@ -747,27 +756,37 @@ def solve(
     return plan
 
 
-def short_segment_shapes(compute_count: int, max_stages: int = 32) -> list[tuple[int, int]]:
+def short_segment_shapes(compute_count: int, max_stages: int = 32, finest: bool = False) -> list[tuple[int, int]]:
     """The starts of the short-segments path (:func:`_short_segments_plan`) on a graph of
     ``compute_count`` compute nodes, as (stage count, most stages a segment may span): on graphs
     of at least 16 compute nodes per first stage, :data:`SHORT_SEGMENT_STAGES_PER_START` times
     ``max_stages`` stages with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES`; on graphs
     where that count doubled stays within half the compute nodes, also the count doubled as far
-    as it does, with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES_DEEP`.
+    as it does, with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES_DEEP`. With
+    ``finest`` (the chain DP solves them), last, one stage per compute node (at most
+    :data:`FINEST_STAGES`) with segments of at most :data:`FINEST_MAX_SEGMENT_STAGES`, on any
+    graph of more compute nodes than ``max_stages``.
 
     Example:
         >>> short_segment_shapes(300), short_segment_shapes(755), short_segment_shapes(3912)
         ([], [(256, 8)], [(256, 8), (1024, 6)])
+        >>> short_segment_shapes(222, finest=True), short_segment_shapes(1042, finest=True)
+        ([(222, 10)], [(256, 8), (512, 6), (1024, 10)])
+        >>> short_segment_shapes(3912, finest=True)  # 1,024 stages are there already
+        [(256, 8), (1024, 6)]
     """
     stage_count = SHORT_SEGMENT_STAGES_PER_START * max_stages
-    if compute_count < 2 * stage_count:
-        return []
-    shapes = [(stage_count, SHORT_SEGMENT_MAX_STAGES)]
-    deep_count = stage_count
-    while 4 * deep_count <= compute_count:
-        deep_count *= 2
-    if deep_count > stage_count:
-        shapes.append((deep_count, SHORT_SEGMENT_MAX_STAGES_DEEP))
+    shapes: list[tuple[int, int]] = []
+    if compute_count >= 2 * stage_count:
+        shapes.append((stage_count, SHORT_SEGMENT_MAX_STAGES))
+        deep_count = stage_count
+        while 4 * deep_count <= compute_count:
+            deep_count *= 2
+        if deep_count > stage_count:
+            shapes.append((deep_count, SHORT_SEGMENT_MAX_STAGES_DEEP))
+    finest_count = min(compute_count, FINEST_STAGES)
+    if finest and finest_count > max([max_stages, *(count for count, _ in shapes)]):
+        shapes.append((finest_count, FINEST_MAX_SEGMENT_STAGES))
     return shapes
 
 
@@ -1013,7 +1032,8 @@ def _tightened(
     fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
     ``(tightened)`` in its solver name. ``node_limit`` and ``node_limit_needs_plan``: of each
     solve (:func:`_solve_ilp`). ``by_chain_dp``: solve a segments-only model by dynamic
-    programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time)."""
+    programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time); one the
+    DP finds too large goes to the ILP (with its node and time limits)."""
     target_mib = budget_bytes / MIB
     chain = by_chain_dp and not any(model.keep_options)
     for attempt in range(max_attempts):

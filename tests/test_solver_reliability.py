@@ -452,8 +452,9 @@ def test_the_finer_pass_finds_segments_the_coarse_stages_cannot_express(fraction
     after a linear (whose matmul is then never recomputed)."""
     g = mlp_blocks(8)
     budget = int(simulate(g).peak_bytes * fraction)
-    coarse = solve(g, budget, max_stages=4, finer_s=0, exact=False)
-    finer = solve(g, budget, max_stages=4, exact=False)
+    # without the short-segment starts (with the chain DP one starts on one stage per node)
+    coarse = solve(g, budget, max_stages=4, finer_s=0, exact=False, short_segments=False)
+    finer = solve(g, budget, max_stages=4, exact=False, short_segments=False)
     assert finer.recompute_ms < 0.9 * coarse.recompute_ms
     assert finer.solver.endswith("(finer stages)")
     assert finer.predicted_peak_bytes == simulate(g, finer.segments).peak_bytes <= budget
@@ -513,8 +514,9 @@ def test_short_segments_on_many_stages_break_up_a_deep_graphs_long_segments(frac
     assert default.predicted_peak_bytes == simulate(g, default.segments).peak_bytes <= budget
     for seg in default.segments:
         assert (seg.recompute_ms, seg.recompute_flops) == rerun_cost(g, seg.node_names)
-    # graphs under 16 compute nodes per first stage do not get it
-    assert "(short segments)" not in solve(g, budget, max_stages=8, exact=False).solver
+    # graphs under 16 compute nodes per first stage do not get it (only the chain DP's start on
+    # one stage per node, which a named MILP solver does not run)
+    assert "(short segments)" not in solve(g, budget, max_stages=8, exact=False, solver="HiGHS").solver
 
 
 def test_deeper_graphs_also_start_short_segments_from_more_stages(monkeypatch):
@@ -531,12 +533,20 @@ def test_deeper_graphs_also_start_short_segments_from_more_stages(monkeypatch):
     assert shapes(len(g.compute_nodes), 4) == [(32, 8), (64, 6)]
     assert shapes(127, 4) == [(32, 8)] and shapes(63, 4) == []
     budget = int(simulate(g).peak_bytes * 0.8)
-    default = solve(g, budget, max_stages=4, exact=False)
-    monkeypatch.setattr(solve_module, "short_segment_shapes", lambda count, max_stages: shapes(count, max_stages)[:1])
-    first_start_only = solve(g, budget, max_stages=4, exact=False)
+    # the ILP path (a named solver): the starts as they were before the chain DP's finest one
+    default = solve(g, budget, max_stages=4, exact=False, solver="HiGHS")
+    monkeypatch.setattr(solve_module, "short_segment_shapes",
+                        lambda count, max_stages, finest=False: shapes(count, max_stages, finest)[:1])
+    first_start_only = solve(g, budget, max_stages=4, exact=False, solver="HiGHS")
     assert default.recompute_ms < 0.9 * first_start_only.recompute_ms
     assert "(short segments)" in default.solver
     assert default.predicted_peak_bytes == simulate(g, default.segments).peak_bytes <= budget
+    monkeypatch.undo()
+    # with the chain DP (default) a start on one stage per compute node comes last, cheaper still
+    assert shapes(len(g.compute_nodes), 4, finest=True) == [(32, 8), (64, 6), (222, 10)]
+    by_dp = solve(g, budget, max_stages=4, exact=False)
+    assert by_dp.recompute_ms < default.recompute_ms and "(short segments)" in by_dp.solver
+    assert by_dp.predicted_peak_bytes == simulate(g, by_dp.segments).peak_bytes <= budget
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -589,8 +599,8 @@ def test_the_finer_pass_is_not_trapped_by_the_first_plan_on_a_gpt2_profile():
 
     g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
     budget = simulate(g).peak_bytes // 2
-    coarse = solve(g, budget, finer_s=0, exact=False)
-    finer = solve(g, budget, exact=False)
+    coarse = solve(g, budget, finer_s=0, exact=False, solver="HiGHS")  # the ILP's finer pass
+    finer = solve(g, budget, exact=False, solver="HiGHS")
     assert finer.solver.endswith("(finer stages)")
     assert finer.recompute_ms < 0.85 * coarse.recompute_ms
     assert finer.predicted_peak_bytes == simulate(g, finer.segments).peak_bytes <= budget
