@@ -32,13 +32,9 @@ def ilp_optimum(model, budget_mib):
     return None if result is None else result.chosen
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 10**6), nodes=st.integers(6, 30), stages=st.integers(2, 12),
-       longest=st.integers(1, 12), fraction=st.floats(0.3, 1.0))
-def test_same_optimum_as_the_ilp_on_random_graphs(seed, nodes, stages, longest, fraction):
-    g = random_dag(seed, nodes)
-    model = build_stage_model(g, build_stages(g, stages), max_segment_stages=longest)
-    budget_mib = simulate(g).peak_bytes * fraction / MIB
+def assert_same_optimum(model, budget_mib):
+    """The DP and the ILP agree on whether a plan fits, and the DP's objective is the least,
+    the ILP's within its gap of it."""
     by_dp = cheapest_segments(model, budget_mib)
     by_ilp = ilp_optimum(model, budget_mib)
     assert (by_dp is None) == (by_ilp is None)
@@ -47,6 +43,15 @@ def test_same_optimum_as_the_ilp_on_random_graphs(seed, nodes, stages, longest, 
         assert all(b < a2 for (_, b), (a2, _) in zip(by_dp, by_dp[1:])), "segments overlap"
         assert objective(model, by_dp) <= objective(model, by_ilp) + 1e-9
         assert objective(model, by_ilp) <= objective(model, by_dp) * (1 + solve_module.MIP_GAP) + 1e-9
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), nodes=st.integers(6, 30), stages=st.integers(2, 12),
+       longest=st.integers(1, 12), fraction=st.floats(0.3, 1.0))
+def test_same_optimum_as_the_ilp_on_random_graphs(seed, nodes, stages, longest, fraction):
+    g = random_dag(seed, nodes)
+    model = build_stage_model(g, build_stages(g, stages), max_segment_stages=longest)
+    assert_same_optimum(model, simulate(g).peak_bytes * fraction / MIB)
 
 
 @pytest.mark.parametrize("stage_count,longest", [(32, 32), (64, 8), (128, 4)])
@@ -58,13 +63,7 @@ def test_same_optimum_as_the_ilp_on_a_gpt2_profile(stage_count, longest, fractio
 
     g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
     model = build_stage_model(g, build_stages(g, stage_count), max_segment_stages=longest)
-    budget_mib = simulate(g).peak_bytes * fraction / MIB
-    by_dp = cheapest_segments(model, budget_mib)
-    by_ilp = ilp_optimum(model, budget_mib)
-    assert (by_dp is None) == (by_ilp is None)
-    if by_dp is not None:
-        assert objective(model, by_dp) <= objective(model, by_ilp) + 1e-9
-        assert objective(model, by_ilp) <= objective(model, by_dp) * (1 + solve_module.MIP_GAP) + 1e-9
+    assert_same_optimum(model, simulate(g).peak_bytes * fraction / MIB)
 
 
 def test_too_many_labels_stops_the_search_and_the_solve_uses_the_ilp(monkeypatch, caplog):

@@ -115,3 +115,14 @@ def test_the_bound_reaches_the_solve_from_plan_for_budget_and_sweep(gpt2_graph, 
     plan_for_budget(gpt2_graph, peak_gb * 0.7, max_stages=4, max_solve_s=2.0)
     sweep(gpt2_graph, [int(peak_gb * 0.8 * 2**30)], max_stages=4, max_solve_s=3.0)
     assert seen == [2.0, 3.0]
+
+
+@pytest.mark.parametrize("command", [["plan", "models.py:build"], ["report", "saved.pt2"],
+                                     ["check", "saved.pt2", "--baseline", "b.json"]])
+def test_every_cli_command_takes_the_bound(command):
+    from planner.cli import _parser
+
+    budget = [] if command[0] == "check" else ["--budget-gb", "1"]
+    args = _parser().parse_args([*command, *budget, "--max-solve-s", "5"])
+    assert args.max_solve_s == 5.0
+    assert _parser().parse_args([*command, *budget]).max_solve_s is None
