@@ -26,7 +26,7 @@ def gpt2_graph():
     return load_profile(PROFILE)
 
 
-def test_a_spent_bound_returns_the_first_ilps_plan(gpt2_graph, caplog):
+def test_a_spent_bound_returns_the_first_plan(gpt2_graph, caplog):
     """With no time left every improving phase is skipped: the plan is the one the first ILP
     (stopped by its node limit, the same on every machine) gives with the phases turned off."""
     g = gpt2_graph
@@ -48,10 +48,11 @@ def test_a_spent_bound_returns_the_first_ilps_plan(gpt2_graph, caplog):
 def test_each_phase_gets_at_most_what_is_left(gpt2_graph, monkeypatch):
     """Every finer round and short-segment start is started with at least ``MIN_PHASE_S`` left
     and given no more than what is left; and each sees a clock that has moved on (here: every
-    phase takes 0.4 s), so later ones are cut and then skipped."""
+    phase takes 0.8 s more), so later ones are cut and then skipped: at most 4 of the 5 start
+    (at 0, 0.8, 1.6 and 2.4 s of 3 s at the latest; a slower machine starts fewer)."""
     g = gpt2_graph
     budget = int(simulate(g).peak_bytes * 0.8)
-    max_solve_s = 1.5
+    max_solve_s = 3.0
     calls: list[tuple[str, float, float]] = []
     started = [0.0]
 
@@ -60,7 +61,7 @@ def test_each_phase_gets_at_most_what_is_left(gpt2_graph, monkeypatch):
             limit_s = kwargs["time_limit_s"] if "time_limit_s" in kwargs else args[limit_position]
             left_s = started[0] + max_solve_s - time.perf_counter()
             calls.append((name, limit_s, left_s))
-            time.sleep(0.4)
+            time.sleep(0.8)
             return real(*args, **kwargs)
         return wrapper
 
@@ -74,9 +75,9 @@ def test_each_phase_gets_at_most_what_is_left(gpt2_graph, monkeypatch):
     for name, limit_s, left_s in calls:
         assert left_s >= MIN_PHASE_S - 0.05, (name, left_s)
         assert limit_s <= left_s + 0.05, (name, limit_s, left_s)
-    # the 0.4 s phases (and the ILPs inside them) cannot all fit: some were skipped
+    # the 0.8 s phases cannot all fit: some were skipped
     assert plan.hit_time_limit
-    assert len(calls) < 4, calls  # unbounded, this graph runs finer rounds and two short starts
+    assert len(calls) < 5, calls  # unbounded, this graph runs three finer passes and two short starts
     assert simulate(g, plan.segments).peak_bytes <= budget
 
 
