@@ -107,7 +107,7 @@ SHORT_SEGMENT_MAX_STAGES = 8
 SHORT_SEGMENT_MAX_STAGES_DEEP = 6
 #: with the chain DP, a last start on one stage per compute node (at most this many stages)
 #: with segments of at most :data:`FINEST_MAX_SEGMENT_STAGES`: too many binaries for the ILP,
-#: about a second for the DP (2,048 on a 94-layer graph took 15 to 20 s more and only once
+#: about a second for the DP (2,048 on a 94-layer graph took 16 to 21 s more and only once
 #: found a cheaper plan). On saved profiles at 40 to 80 % of the peak it cut the
 #: predicted recompute of a 4-layer GPT-2 by 0 to 39 % (most where the budget is roomy) and of
 #: 12- and 24-layer GPT-2s by up to 21 and 27 % (README "How the planner decides")
