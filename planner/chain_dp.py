@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import PlannerError
-from planner.stage_model import StageModel
+from planner.stage_model import StageModel, holder_groups
 
 __all__ = ["ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_segments"]
 
@@ -76,11 +76,8 @@ class _Groups:
 
 def _groups(model: StageModel) -> _Groups:
     stage_count = len(model.stages)
-    keys_by_holders: dict[tuple, list[int]] = {}
-    for k, holders in model.holders.items():
-        keys_by_holders.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
     groups = _Groups()
-    for g, (holders, keys) in enumerate(keys_by_holders.items()):
+    for g, (holders, keys) in enumerate(holder_groups(model).items()):
         groups.mib.append(sum(model.sizes[k] for k in keys))
         first = min(pos for pos, _, _ in holders)
         live: dict[int, float] = {}

@@ -55,7 +55,7 @@ from planner.highs import NO_PROBING, PlannerHiGHS, stopped_at_node_limit
 from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
 from planner.simulate import simulate
-from planner.stage_model import StageModel, build_stage_model
+from planner.stage_model import StageModel, build_stage_model, holder_groups
 from planner.stages import Stage, build_stages
 
 __all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit"]
@@ -324,9 +324,7 @@ def _solve_ilp(
     # held[g][j]: the storages of group g are still held when stage j runs backward (and at the
     # end of its forward). Storages with the same holders form one group; a group with a single
     # holder needs no variable: it is held exactly while that holder is.
-    groups: dict[tuple[tuple[int, str, object], ...], list[int]] = {}
-    for k, holders in model.holders.items():
-        groups.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
+    groups = holder_groups(model)
 
     def holder_expr(kind: str, ref: Any) -> Any:
         if kind == "saver":
@@ -717,8 +715,11 @@ def solve(
     if plan is not None:
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
         # a plan only the search found gets the cost search the fallback below would get
-        polish_s = deadline.cut(refine_s) if polish and ilp_found and deadline.allows("the cost search") else 0.0
-        plan = _refined(graph, plan, budget_bytes, polish_s if ilp_found else refine_s, started)
+        if not ilp_found:
+            search_refine_s = refine_s
+        else:  # polishing an ILP plan only improves it: bounded by the deadline
+            search_refine_s = deadline.cut(refine_s) if polish and deadline.allows("the cost search") else 0.0
+        plan = _refined(graph, plan, budget_bytes, search_refine_s, started)
     else:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s, exact=_exact_search_on(graph, exact),
@@ -941,11 +942,12 @@ def _with_kept_outputs(
         if segments and simulate(graph, segments).peak_bytes <= budget_bytes:
             starts.append((tuple(segments), f"every one of {count} stages"))
     best = min(plans, key=lambda p: p.recompute_ms)
+    deadline = deadline or SolveDeadline(time.perf_counter(), None)
     for segments, solver_name in starts:
-        if deadline is not None and not deadline.allows(f"keeping outputs in the plan of {solver_name}"):
+        if not deadline.allows(f"keeping outputs in the plan of {solver_name}"):
             break
-        keep_s = max(refine_s, 1.0) if deadline is None else deadline.cut(max(refine_s, 1.0))
-        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=keep_s)
+        kept_s = deadline.cut(max(refine_s, 1.0))
+        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=kept_s)
         cost = sum(s.recompute_ms for s in kept)
         if kept and cost < best.recompute_ms - 1e-9:
             peak = simulate(graph, kept).peak_bytes

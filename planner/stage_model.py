@@ -24,7 +24,7 @@ from planner.keep import keepable_in_segment, kept_storages, policy_ms
 from planner.rerun import stage_run_costs
 from planner.stages import Stage
 
-__all__ = ["KeepOption", "StageModel", "build_stage_model"]
+__all__ = ["KeepOption", "StageModel", "build_stage_model", "holder_groups"]
 
 MIB = float(2**20)
 
@@ -72,6 +72,16 @@ class StageModel:
     segment_overhead: float
     #: per stage, the keep options a selective segment may use there (empty without selective)
     keep_options: list[list[KeepOption]]
+
+
+def holder_groups(model: StageModel) -> dict[tuple[tuple[int, str, object], ...], list[int]]:
+    """The storages of ``model`` grouped by their holders (sorted): a group is held exactly
+    while any of its holders is, so the ILP (one ``held`` variable per multi-holder group) and
+    the chain DP (:mod:`planner.chain_dp`) account each group as one."""
+    groups: dict[tuple[tuple[int, str, object], ...], list[int]] = {}
+    for k, holders in model.holders.items():
+        groups.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
+    return groups
 
 
 def keep_options_of(graph: CostGraph, stage: Stage, returned: set[int]) -> list[KeepOption]:
