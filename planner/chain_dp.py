@@ -11,7 +11,12 @@ segments' overhead), and which groups it holds that later stages can still add o
 live. Labels with the same held groups are compared by (cost, stored): one that is no cheaper
 and stores no less is dropped. The cheapest label past the last stage is the plan.
 
-Kept outputs (selective models) are not modelled here; such models go to the ILP.
+Kept outputs (selective models): a segment may keep, in each of its stages, one of the stage's
+keep options (:class:`planner.stage_model.KeepOption`), as the ILP's ``keep`` variables do. A
+kept option's storages are held from its stage on and its saved time comes off the cost. Those
+choices are made stage by stage inside the segment's step, each followed by that stage's
+memory check, and partial choices with the same held groups are compared like labels; the
+labels past the segment carry which options they kept.
 
 The labels are numpy arrays per (stage, held groups). Every label no other dominates is kept,
 so the result is the account's optimum. Their number is what the search costs: about a
@@ -49,14 +54,24 @@ import numpy as np
 from planner.errors import PlannerError
 from planner.stage_model import StageModel, holder_groups
 
-__all__ = ["ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_segments"]
+__all__ = ["ChainPlan", "ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_plan", "cheapest_segments"]
 
-#: labels kept before the search gives up (12 bytes each are held to the end: about 300 MB)
+#: labels kept before the search gives up (12 bytes each are held to the end, about 300 MB;
+#: 20 with keep options)
 DEFAULT_MAX_LABELS = 25_000_000
 
 
 class ChainSearchTooLarge(PlannerError):
     """The search kept more labels than allowed; solve the model another way (the ILP)."""
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """The search's plan: the chosen segments as ``(first stage, last stage)``, and the keep
+    options they use as ``(stage, index into model.keep_options[stage])``."""
+
+    segments: list[tuple[int, int]]
+    keeps: list[tuple[int, int]]
 
 #: slack on the memory constraints (MiB), as the ILP's feasibility tolerance
 _TOLERANCE_MIB = 1e-6
@@ -70,6 +85,7 @@ class _Groups:
     mib: list[float] = field(default_factory=list)
     by_saver: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     by_segment: dict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+    by_keep: dict[tuple[int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     live_mib: list[dict[int, float]] = field(default_factory=list)
     last_stage: list[int] = field(default_factory=list)
 
@@ -93,30 +109,61 @@ def _groups(model: StageModel) -> _Groups:
             elif kind == "input":
                 groups.by_segment[ref].append(g)
             else:
-                raise ValueError("cheapest_segments does not model kept outputs; use the ILP for selective models")
+                groups.by_keep[ref].append(g)
     return groups
 
 
 @dataclass
 class _Block:
-    """How the labels of one (stage, held groups) were reached: each one's parent label and the
-    segment that led to it (-1: a stage not recomputed). Labels are numbered from ``first_id``."""
+    """How the labels of one (stage, held groups) were reached: each one's parent label, the
+    segment that led to it (-1: a stage not recomputed) and the keep options it used there (a
+    code of :class:`_KeepCodes`). Labels are numbered from ``first_id``."""
 
     first_id: int
     parent: np.ndarray
     segment: np.ndarray
+    #: None for a model without keep options
+    keeps: np.ndarray | None
 
 
-def _pruned(stored: np.ndarray, cost: np.ndarray, parent: np.ndarray, segment: np.ndarray
-            ) -> tuple[np.ndarray, ...]:
-    """The labels no other beats on both stored MiB and cost, by stored MiB."""
+class _KeepCodes:
+    """Keep choices as a tree: code 0 keeps nothing; every other code is one more
+    ``(stage, option)`` after the choices of its parent code."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[int, int, int]] = [(-1, -1, -1)]
+        self._index: dict[tuple[int, int, int], int] = {}
+
+    def extended(self, codes: np.ndarray, stage: int, option: int) -> np.ndarray:
+        """The codes of ``codes`` each followed by ``(stage, option)``."""
+        parents, inverse = np.unique(codes, return_inverse=True)
+        fresh = np.empty(len(parents), dtype=np.int64)
+        for i, parent in enumerate(parents.tolist()):
+            key = (parent, stage, option)
+            if key not in self._index:
+                self._index[key] = len(self._entries)
+                self._entries.append(key)
+            fresh[i] = self._index[key]
+        return fresh[inverse.reshape(-1)]
+
+    def choices(self, code: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while code > 0:
+            code, stage, option = self._entries[code]
+            out.append((stage, option))
+        return out
+
+
+def _pruned(stored: np.ndarray, cost: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The labels no other beats on both stored MiB and cost, by stored MiB (``rest``: arrays
+    that go with them)."""
     order = np.lexsort((cost, stored))
-    stored, cost, parent, segment = stored[order], cost[order], parent[order], segment[order]
+    stored, cost = stored[order], cost[order]
     cheaper = np.ones(len(cost), dtype=bool)
     if len(cost) > 1:
         running = np.minimum.accumulate(cost)
         cheaper[1:] = cost[1:] < running[:-1] - 1e-12
-    return stored[cheaper], cost[cheaper], parent[cheaper], segment[cheaper]
+    return (stored[cheaper], cost[cheaper], *(a[order][cheaper] for a in rest))
 
 
 def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS
@@ -124,11 +171,43 @@ def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DE
     """The candidate segments of ``model`` (as ``(first stage, last stage)``) that the ILP of
     :func:`planner.solve._solve_ilp` would choose at ``budget_mib``, at its optimum: the least
     recompute time (plus the ILP's per-segment tie-break) whose linear account fits; None when
-    none fits.
+    none fits. For a segments-only model; :func:`cheapest_plan` also chooses keep options.
 
     Raises:
         ChainSearchTooLarge: more than ``max_labels`` labels were kept.
         ValueError: the model has keep options (a selective model).
+    """
+    if any(model.keep_options):
+        raise ValueError("cheapest_segments does not choose kept outputs; use cheapest_plan for selective models")
+    plan = cheapest_plan(model, budget_mib, max_labels)
+    return None if plan is None else plan.segments
+
+
+def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS) -> ChainPlan | None:
+    """The segments and keep options of ``model`` that the ILP of :func:`planner.solve._solve_ilp`
+    would choose at ``budget_mib``, at its optimum: the least recompute time (plus the ILP's
+    per-segment tie-break, less the kept options' saved time) whose linear account fits; None
+    when none fits.
+
+    Raises:
+        ChainSearchTooLarge: more than ``max_labels`` labels were kept.
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.stages import build_stages
+        >>> from planner.stage_model import build_stage_model
+        >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+        >>> for i in range(1, 9):  # a matmul (4 ms, 1 MiB out), then a pointwise op (0.5 ms, 4 MiB out)
+        ...     mm = i % 2 == 1
+        ...     nodes.append(CostNode(f"n{i}", "mm" if mm else "gelu", input_names=(nodes[-1].name,),
+        ...                           output_storages=(i,), saved_storages=(i,), output_bytes=(1 if mm else 4) * 2**20,
+        ...                           requires_grad=True, time_ms=4.0 if mm else 0.5, flops=10**6 * mm,
+        ...                           selective_save=mm))
+        >>> g = CostGraph(tuple(nodes), tuple(Storage(i, nodes[i].output_bytes or 2**20, i == 0) for i in range(9)),
+        ...               ("n8",))
+        >>> model = build_stage_model(g, build_stages(g, 8), max_segment_stages=8, selective=True)
+        >>> cheapest_plan(model, budget_mib=21.0)  # stage 0's matmul keeps its output: only n2 reruns there
+        ChainPlan(segments=[(0, 1), (3, 3), (5, 5)], keeps=[(0, 0)])
     """
     stage_count = len(model.stages)
     groups = _groups(model)
@@ -142,23 +221,56 @@ def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DE
                     for j in range(stage_count)]
     room_backward = [budget_mib + _TOLERANCE_MIB - model.base - model.param_grads[j] - model.grads_in_flight[j]
                      for j in range(stage_count)]
+    has_options = [bool(options) for options in model.keep_options]
+    keep_codes = _KeepCodes()
 
     def crossing(held: frozenset[int], j: int) -> float:
         return sum(groups.live_mib[g].get(j, 0.0) for g in held)
 
+    def room_in_segment(held: frozenset[int], first: int, i: int) -> float:
+        return min(room_forward[i] + crossing(held, i), room_backward[i] - model.recomputed[(first, i)])
+
+    def kept_in_segment(held: frozenset[int], stored: np.ndarray, cost: np.ndarray, ids: np.ndarray,
+                        first: int, last: int) -> dict[frozenset[int], tuple[np.ndarray, ...]]:
+        """Labels entering segment (first, last) with its inputs held, through its stages: at
+        each, keep nothing or one of the stage's options, then the stage's memory check."""
+        states = {held: (stored, cost, ids, np.zeros(len(ids), dtype=np.int64))}
+        for i in range(first, last + 1):
+            arriving: dict[frozenset[int], list[tuple[np.ndarray, ...]]] = defaultdict(list)
+            for now_held, (st, co, pa, kc) in states.items():
+                arriving[now_held].append((st, co, pa, kc))
+                for o, option in enumerate(model.keep_options[i]):
+                    if i == last and not option.ends_segment_allowed:
+                        continue
+                    added = [g for g in groups.by_keep.get((i, o), ()) if g not in now_held]
+                    added_mib = sum(groups.mib[g] for g in added)
+                    arriving[now_held.union(added)].append((st + added_mib, co - option.saved_ms, pa,
+                                                            keep_codes.extended(kc, i, o)))
+            passed: dict[frozenset[int], list[tuple[np.ndarray, ...]]] = defaultdict(list)
+            for now_held, chunks in arriving.items():
+                st, co, pa, kc = (np.concatenate(parts) for parts in zip(*chunks))
+                fits = st <= room_in_segment(now_held, first, i)
+                if fits.any():
+                    # groups no holder or forward-live use reaches past i no longer tell states apart
+                    passed[frozenset(g for g in now_held if groups.last_stage[g] > i)].append(
+                        (st[fits], co[fits], pa[fits], kc[fits]))
+            states = {now_held: _pruned(*(np.concatenate(parts) for parts in zip(*chunks))) if len(chunks) > 1
+                      else chunks[0] for now_held, chunks in passed.items()}
+        return states
+
     incoming: list[dict[frozenset[int], list[tuple[np.ndarray, ...]]]] = [defaultdict(list)
                                                                           for _ in range(stage_count + 1)]
-    empty_parent = np.array([-1], dtype=np.int64)
-    incoming[0][frozenset()].append((np.zeros(1), np.zeros(1), empty_parent, np.array([-1], dtype=np.int64)))
+    none = np.array([-1], dtype=np.int64)
+    incoming[0][frozenset()].append((np.zeros(1), np.zeros(1), none, none, np.zeros(1, dtype=np.int64)))
     final_costs: list[tuple[_Block, np.ndarray]] = []
     blocks: list[_Block] = []
     block_starts: list[int] = []
     next_id = 0
     for j in range(stage_count + 1):
         for held, chunks in incoming[j].items():
-            stored, cost, parent, segment = (np.concatenate(parts) for parts in zip(*chunks))
-            stored, cost, parent, segment = _pruned(stored, cost, parent, segment)
-            block = _Block(next_id, parent, segment.astype(np.int32))
+            stored, cost, parent, segment, keeps = (np.concatenate(parts) for parts in zip(*chunks))
+            stored, cost, parent, segment, keeps = _pruned(stored, cost, parent, segment, keeps)
+            block = _Block(next_id, parent, segment.astype(np.int32), keeps if any(has_options) else None)
             blocks.append(block)
             block_starts.append(next_id)
             next_id += len(stored)
@@ -177,27 +289,35 @@ def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DE
             if fits:
                 still = frozenset(g for g in now_held if groups.last_stage[g] > j)
                 incoming[j + 1][still].append((stored[:fits] + added_mib, cost[:fits], ids[:fits],
-                                               np.full(fits, -1, dtype=np.int64)))
+                                               np.full(fits, -1, dtype=np.int64), np.zeros(fits, dtype=np.int64)))
             # a segment from j to b: its inputs are held from here, its stages save nothing
             for b in segment_ends.get(j, ()):
                 added = [g for g in groups.by_segment.get((j, b), ()) if g not in held]
                 now_held = held.union(added)
                 added_mib = sum(groups.mib[g] for g in added) + model.segment_overhead
-                room = min(min(room_forward[i] + crossing(now_held, i),
-                               room_backward[i] - model.recomputed[(j, i)]) for i in range(j, b + 1)) - added_mib
-                fits = int(np.searchsorted(stored, room, side="right"))
-                if fits:
-                    still = frozenset(g for g in now_held if groups.last_stage[g] > b)
-                    run_ms = model.run_ms[(j, b)] + 1e-3 * total_ms
-                    incoming[b + 1][still].append((stored[:fits] + added_mib, cost[:fits] + run_ms, ids[:fits],
-                                                   np.full(fits, segment_code[(j, b)], dtype=np.int64)))
+                run_ms = model.run_ms[(j, b)] + 1e-3 * total_ms
+                code = segment_code[(j, b)]
+                if not any(has_options[j:b + 1]):
+                    room = min(room_in_segment(now_held, j, i) for i in range(j, b + 1)) - added_mib
+                    fits = int(np.searchsorted(stored, room, side="right"))
+                    if fits:
+                        still = frozenset(g for g in now_held if groups.last_stage[g] > b)
+                        incoming[b + 1][still].append((stored[:fits] + added_mib, cost[:fits] + run_ms, ids[:fits],
+                                                       np.full(fits, code, dtype=np.int64),
+                                                       np.zeros(fits, dtype=np.int64)))
+                    continue
+                for after_held, (st, co, pa, kc) in kept_in_segment(now_held, stored + added_mib, cost + run_ms, ids,
+                                                                    j, b).items():
+                    still = frozenset(g for g in after_held if groups.last_stage[g] > b)
+                    incoming[b + 1][still].append((st, co, pa, np.full(len(st), code, dtype=np.int64), kc))
         incoming[j] = {}  # done with: free the chunks
-    return _backtrack(blocks, block_starts, final_costs, segment_list)
+    return _backtrack(blocks, block_starts, final_costs, segment_list, keep_codes)
 
 
 def _backtrack(blocks: list[_Block], block_starts: list[int], final_costs: list[tuple[_Block, np.ndarray]],
-               segment_list: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
-    """The segments on the way to the cheapest label past the last stage (None: no label)."""
+               segment_list: list[tuple[int, int]], keep_codes: _KeepCodes) -> ChainPlan | None:
+    """The segments and keep options on the way to the cheapest label past the last stage
+    (None: no label)."""
     best: tuple[float, int] | None = None
     for blk, cost in final_costs:
         if len(cost):
@@ -207,11 +327,14 @@ def _backtrack(blocks: list[_Block], block_starts: list[int], final_costs: list[
     if best is None:
         return None
     chosen: list[tuple[int, int]] = []
+    keeps: list[tuple[int, int]] = []
     label = best[1]
     while label >= 0:
         blk = blocks[bisect.bisect_right(block_starts, label) - 1]
         i = label - blk.first_id
         if blk.segment[i] >= 0:
             chosen.append(segment_list[int(blk.segment[i])])
+            if blk.keeps is not None:
+                keeps.extend(keep_codes.choices(int(blk.keeps[i])))
         label = int(blk.parent[i])
-    return sorted(chosen)
+    return ChainPlan(sorted(chosen), sorted(keeps))

@@ -45,7 +45,7 @@ from typing import Any
 
 import pulp
 
-from planner.chain_dp import ChainSearchTooLarge, cheapest_segments
+from planner.chain_dp import ChainSearchTooLarge, cheapest_plan
 from planner.costgraph import CostGraph
 from planner.deadline import SolveDeadline
 from planner.errors import InfeasibleBudgetError, InputError, SolverError
@@ -56,7 +56,7 @@ from planner.refine import ALL_CUTS_BELOW, lower_peak, refine_segments
 from planner.relaxation import search_cheapest
 from planner.simulate import simulate
 from planner.stage_model import StageModel, build_stage_model, holder_groups
-from planner.stages import Stage, build_stages
+from planner.stages import build_stages
 
 __all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit"]
 
@@ -113,10 +113,6 @@ SHORT_SEGMENT_MAX_STAGES_DEEP = 6
 #: 12- and 24-layer GPT-2s by up to 21 and 27 % (README "How the planner decides")
 FINEST_STAGES = 1024
 FINEST_MAX_SEGMENT_STAGES = 10
-#: stage counts whose every-stage plans (:func:`_every_stage`) also start the keep pass: on
-#: GPT-2 width 768 at half its peak, 12 stages kept into 342 ms of recompute, where the ILPs'
-#: segments kept into 405 ms at best (the plain plans' segments suit plain recompute, not keeping)
-KEEP_START_STAGES = (6, 8, 12, 16, 24, 32)
 #: by default the exact search (:mod:`planner.relaxation`) also runs on graphs of 64 up to this
 #: many compute nodes, when the ILP's plan leaves more than :data:`EXACT_WHEN_UNUSED` of the
 #: budget unused: the ILP's conservative account passed over room there, which the search's
@@ -429,12 +425,13 @@ def _solve_ilp(
 
 def _solve_chain(model: StageModel, budget_mib: float) -> _IlpResult | None:
     """The same model as :func:`_solve_ilp` at ``budget_mib``, solved to its optimum by dynamic
-    programming over the stage chain (:mod:`planner.chain_dp`); None when no plan fits.
-    Segments-only models (no keep options)."""
-    chosen = cheapest_segments(model, budget_mib)
-    if chosen is None:
+    programming over the stage chain (:mod:`planner.chain_dp`), keep options included; None
+    when no plan fits."""
+    plan = cheapest_plan(model, budget_mib)
+    if plan is None:
         return None
-    return _IlpResult(chosen, CHAIN_DP, 0.0, False)
+    kept = frozenset(name for j, o in plan.keeps for name in model.keep_options[j][o].node_names)
+    return _IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept)
 
 
 def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
@@ -586,12 +583,12 @@ def solve(
 ) -> Plan:
     """The least-recompute plan whose simulated peak is at most ``budget_bytes``.
 
-    Every stage model below is one ILP (:func:`_solve_ilp`). With ``solver=None`` (default) a
-    segments-only model is solved to its optimum by dynamic programming over the stage chain
-    instead (:mod:`planner.chain_dp`; gap 0, no node or time limit, solver name ``chain DP``):
-    on 1,000-node GPT-2 graphs the whole solve takes about 2 s where the ILPs took 4 to 30 s
-    (README "Solve time"). A named ``solver`` ("HiGHS", "CBC") solves every model as an ILP, as
-    do selective models and the smallest-peak search. What follows says "ILP" for either.
+    Every stage model below is one ILP (:func:`_solve_ilp`). With ``solver=None`` (default) it
+    is solved to its optimum by dynamic programming over the stage chain instead
+    (:mod:`planner.chain_dp`, keep options included; gap 0, no node or time limit, solver name
+    ``chain DP``): on 1,000-node GPT-2 graphs the whole solve takes about 2 s where the ILPs
+    took 4 to 30 s (README "Solve time"). A named ``solver`` ("HiGHS", "CBC") solves every
+    model as an ILP, as does the smallest-peak search. What follows says "ILP" for either.
 
     The ILP on ``max_stages`` stages stops within 1 % of its optimum (:data:`MIP_GAP`), after
     :data:`FIRST_ILP_NODES` branch-and-bound nodes or at ``time_limit_s``, whichever comes first,
@@ -640,10 +637,10 @@ def solve(
 
     With ``selective``, nodes inside the recomputed segments may keep their outputs from the
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
-    :func:`planner.keep.keep_outputs` on the selective ILP's segments, on the segments-only
-    plan's, on the finer segments of the smallest-peak plan and on every stage checkpointed
-    alone (:data:`KEEP_START_STAGES`), whichever ends cheapest; the plan never costs more than
-    the segments-only one. Keeping costs the selective policy's dispatch
+    :func:`planner.keep.keep_outputs` on the selective model's segments (the chain DP chooses
+    segments and keep options together), on the segments-only plan's and on the finer segments
+    of the smallest-peak plan, whichever ends cheapest; the plan never costs more than the
+    segments-only one. Keeping costs the selective policy's dispatch
     time on every node of a segment that keeps anything (``graph.selective_overhead_ms_per_node``);
     it is kept only where it saves more, and when it pays nowhere the plan is the segments-only one.
 
@@ -928,19 +925,17 @@ def _with_kept_outputs(
     deadline: SolveDeadline | None = None,
 ) -> Plan:
     """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
-    on their segments, on the finer ones of the smallest-peak plan (``fallback``, solved here
-    when ``None``) and on every stage checkpointed alone (:data:`KEEP_START_STAGES`), each of
-    whose room below the budget is then filled with kept outputs."""
+    on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
+    here when ``None``), each of whose room below the budget is then filled with kept outputs.
+    (Plans checkpointing every stage of a partition into 6 to 32 stages were starts too; since
+    the chain DP chooses segments and keep options together they no longer won on any
+    profile measured, at 2 s each on 1,000-node graphs.)"""
     if fallback is None:
         fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                      refine_s=refine_s)
     starts = [(p.segments, p.solver) for p in plans]
     if fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
         starts.append((fallback.segments, fallback.solver))
-    for count in KEEP_START_STAGES:
-        segments = _every_stage(graph, build_stages(graph, count))
-        if segments and simulate(graph, segments).peak_bytes <= budget_bytes:
-            starts.append((tuple(segments), f"every one of {count} stages"))
     best = min(plans, key=lambda p: p.recompute_ms)
     deadline = deadline or SolveDeadline(time.perf_counter(), None)
     for segments, solver_name in starts:
@@ -966,11 +961,6 @@ def _every_recomputable_run(graph: CostGraph) -> list[Segment]:
         elif runs[-1]:
             runs.append([])
     return [segment_with_kept(graph, tuple(n.name for n in run)) for run in runs if run]
-
-
-def _every_stage(graph: CostGraph, stages: list[Stage]) -> list[Segment]:
-    """One segment per recomputable stage: every stage checkpointed on its own."""
-    return [segment_with_kept(graph, stage.node_names) for stage in stages if stage.recomputable]
 
 
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
@@ -1033,11 +1023,11 @@ def _tightened(
     """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
     fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
     ``(tightened)`` in its solver name. ``node_limit`` and ``node_limit_needs_plan``: of each
-    solve (:func:`_solve_ilp`). ``by_chain_dp``: solve a segments-only model by dynamic
+    solve (:func:`_solve_ilp`). ``by_chain_dp``: solve the model by dynamic
     programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time); one the
     DP finds too large goes to the ILP (with its node and time limits)."""
     target_mib = budget_bytes / MIB
-    chain = by_chain_dp and not any(model.keep_options)
+    chain = by_chain_dp
     for attempt in range(max_attempts):
         if chain:
             try:
