@@ -256,6 +256,8 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                         (st[fits], co[fits], pa[fits], kc[fits]))
             states = {now_held: _pruned(*(np.concatenate(parts) for parts in zip(*chunks))) if len(chunks) > 1
                       else chunks[0] for now_held, chunks in passed.items()}
+            if sum(len(arrays[0]) for arrays in states.values()) > max_labels:
+                raise ChainSearchTooLarge(f"more than {max_labels} partial keep choices in segment ({first}, {last})")
         return states
 
     incoming: list[dict[frozenset[int], list[tuple[np.ndarray, ...]]]] = [defaultdict(list)

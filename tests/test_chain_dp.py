@@ -108,6 +108,19 @@ def test_cheapest_segments_refuses_a_selective_model():
         cheapest_segments(model, simulate(g).peak_bytes * 0.6 / MIB)
 
 
+def test_partial_keep_choices_count_against_the_label_cap():
+    """Inside a segment the partial keep choices are arrays too: past ``max_labels`` of them the
+    search stops like the labels', before they fill the memory."""
+    from profiling.cache import load_profile
+
+    g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
+    model = build_stage_model(g, build_stages(g, 16), max_segment_stages=16, selective=True)
+    budget_mib = simulate(g).peak_bytes * 0.6 / MIB
+    with pytest.raises(ChainSearchTooLarge, match="partial keep choices in segment"):
+        cheapest_plan(model, budget_mib, max_labels=2)
+    assert cheapest_plan(model, budget_mib) is not None
+
+
 def keep_rules_hold(model, plan):
     """Every keep option the plan uses lies in one of its segments, at most one per stage, and
     one that may not end a segment does not."""
