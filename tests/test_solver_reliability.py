@@ -543,10 +543,29 @@ def test_deeper_graphs_also_start_short_segments_from_more_stages(monkeypatch):
     assert default.predicted_peak_bytes == simulate(g, default.segments).peak_bytes <= budget
     monkeypatch.undo()
     # with the chain DP (default) a start on one stage per compute node comes last, cheaper still
-    assert shapes(len(g.compute_nodes), 4, finest=True) == [(32, 8), (64, 6), (222, 10)]
+    assert shapes(len(g.compute_nodes), 4, finest=True) == [(32, 8), (64, 6), (222, 46)]
     by_dp = solve(g, budget, max_stages=4, exact=False)
     assert by_dp.recompute_ms < default.recompute_ms and "(short segments)" in by_dp.solver
     assert by_dp.predicted_peak_bytes == simulate(g, by_dp.segments).peak_bytes <= budget
+
+
+def test_the_finest_start_spans_more_stages_on_smaller_graphs(monkeypatch):
+    """One stage per compute node: segments of up to 10 stages from 1,024 stages, more on fewer
+    (:data:`planner.solve.FINEST_SPAN_PAIRS` over the stage count). On the stored GPT-2 (222
+    stages, spans of up to 46) at 45 % of its peak that is cheaper than spans of 10."""
+    from profiling.cache import load_profile
+
+    shapes = solve_module.short_segment_shapes
+    assert shapes(222, finest=True) == [(222, 46)]
+    assert shapes(755, finest=True)[-1] == (755, 13) and shapes(1042, finest=True)[-1] == (1024, 10)
+    g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
+    budget = int(simulate(g).peak_bytes * 0.45)
+    longer = solve(g, budget, exact=False)
+    monkeypatch.setattr(solve_module, "FINEST_SPAN_PAIRS", 0)
+    assert shapes(222, finest=True) == [(222, 10)]
+    spans_of_ten = solve(g, budget, exact=False)
+    assert longer.recompute_ms < spans_of_ten.recompute_ms
+    assert longer.predicted_peak_bytes == simulate(g, longer.segments).peak_bytes <= budget
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
