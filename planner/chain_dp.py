@@ -222,6 +222,7 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
     room_backward = [budget_mib + _TOLERANCE_MIB - model.base - model.param_grads[j] - model.grads_in_flight[j]
                      for j in range(stage_count)]
     has_options = [bool(options) for options in model.keep_options]
+    selective = any(has_options)
     keep_codes = _KeepCodes()
 
     def crossing(held: frozenset[int], j: int) -> float:
@@ -272,7 +273,7 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
         for held, chunks in incoming[j].items():
             stored, cost, parent, segment, keeps = (np.concatenate(parts) for parts in zip(*chunks))
             stored, cost, parent, segment, keeps = _pruned(stored, cost, parent, segment, keeps)
-            block = _Block(next_id, parent, segment.astype(np.int32), keeps if any(has_options) else None)
+            block = _Block(next_id, parent, segment.astype(np.int32), keeps if selective else None)
             blocks.append(block)
             block_starts.append(next_id)
             next_id += len(stored)
