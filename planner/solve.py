@@ -66,6 +66,13 @@ MIB = float(2**20)
 #: Relative optimality gap the MIP solvers stop at: plans cost at most 1 % more than the optimum
 #: of the ILP (the last few tenths of a percent take most of the solve time).
 MIP_GAP = 0.01
+#: with ``selective``, the smallest-peak plan is a start for keeping outputs only at budgets up to
+#: this multiple of the smallest-peak ILP's peak (before its refinement). On the GPT-2 (widths 256
+#: and 768, 4 to 24 layers), Llama, BERT, MLP and 17-layer fake profiles, at 65 budgets from 1.005
+#: to 5.8 times the smallest peak, that start gave the cheapest plan only at 0.97 and 0.99 times
+#: the ILP's peak (GPT-2 width 768: 480.5 against 521.9 ms), never above 1.02; above it, it cost
+#: 0.6 s of ILP, 2 s of refinement and up to 2 s of keep search (README "Solve time")
+KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
 #: the solver name of plans found by :func:`_solve_chain`
 CHAIN_DP = "chain DP"
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -644,8 +651,9 @@ def solve(
     With ``selective``, nodes inside the recomputed segments may keep their outputs from the
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
     :func:`planner.keep.keep_outputs` on the selective model's segments (the chain DP chooses
-    segments and keep options together), on the segments-only plan's and on the finer segments
-    of the smallest-peak plan, whichever ends cheapest; the plan never costs more than the
+    segments and keep options together), on the segments-only plan's and, at budgets within
+    :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the smallest peak, on the finer segments of the
+    smallest-peak plan, whichever ends cheapest; the plan never costs more than the
     segments-only one. Keeping costs the selective policy's dispatch
     time on every node of a segment that keeps anything (``graph.selective_overhead_ms_per_node``);
     it is kept only where it saves more, and when it pays nowhere the plan is the segments-only one.
@@ -933,15 +941,21 @@ def _with_kept_outputs(
 ) -> Plan:
     """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
     on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
-    here when ``None``), each of whose room below the budget is then filled with kept outputs.
+    here when ``None`` and the budget is within :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the
+    smallest-peak ILP's peak), each of whose room below the budget is then filled with kept outputs.
     (Plans checkpointing every stage of a partition into 6 to 32 stages were starts too; since
     the chain DP chooses segments and keep options together they no longer won on any
     profile measured, at 2 s each on 1,000-node graphs.)"""
     if fallback is None:
-        fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                     refine_s=refine_s)
+        rough = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s, refine_s=0)
+        if budget_bytes <= KEEP_FROM_SMALLEST_PEAK_WITHIN * rough.predicted_peak_bytes:
+            fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                         refine_s=refine_s)
+        else:
+            log.info("keep search: the budget is %.2fx the smallest-peak ILP's peak, so its plan is no start",
+                     budget_bytes / rough.predicted_peak_bytes)
     starts = [(p.segments, p.solver) for p in plans]
-    if fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
+    if fallback is not None and fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
         starts.append((fallback.segments, fallback.solver))
     best = min(plans, key=lambda p: p.recompute_ms)
     deadline = deadline or SolveDeadline(time.perf_counter(), None)

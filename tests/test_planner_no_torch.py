@@ -406,3 +406,40 @@ def test_selective_solve_never_costs_more_than_the_segments_only_plan(monkeypatc
     selective = solve(g, budget, selective=True, exact=False)
     assert simulate(g, selective.segments).peak_bytes == selective.predicted_peak_bytes <= budget
     assert selective.recompute_ms <= plain.recompute_ms + 1e-9
+
+
+def test_the_smallest_peak_plan_starts_the_keep_search_only_near_the_smallest_peak(monkeypatch):
+    """Far above the smallest peak the selective solve only runs the smallest-peak ILP (no
+    refinement) and keeps outputs on its other starts; within
+    ``KEEP_FROM_SMALLEST_PEAK_WITHIN`` of it, the refined smallest-peak plan is a start too."""
+    import importlib
+
+    solve_module = importlib.import_module("planner.solve")
+    g = _matmul_blocks(6)
+    lowest = solve_module.minimum_peak_plan(g)
+    real_floor, real_keep = solve_module.minimum_peak_plan, solve_module.keep_outputs
+    refine_args: list[float] = []
+    keep_starts: list[tuple[tuple[str, ...], ...]] = []
+
+    def floor_spy(*args, **kwargs):
+        refine_args.append(kwargs.get("refine_s", 2.0))
+        return real_floor(*args, **kwargs)
+
+    def keep_spy(graph, segments, *args, **kwargs):
+        keep_starts.append(tuple(s.node_names for s in segments))
+        return real_keep(graph, segments, *args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "minimum_peak_plan", floor_spy)
+    monkeypatch.setattr(solve_module, "keep_outputs", keep_spy)
+    far = int(lowest.predicted_peak_bytes * solve_module.KEEP_FROM_SMALLEST_PEAK_WITHIN) + MIB
+    assert far < simulate(g).peak_bytes  # a budget that needs a plan
+    plan = solve(g, far, selective=True, exact=False)
+    assert refine_args == [0] and simulate(g, plan.segments).peak_bytes <= far
+    assert tuple(s.node_names for s in lowest.segments) not in keep_starts
+
+    refine_args.clear()
+    keep_starts.clear()
+    near = lowest.predicted_peak_bytes
+    plan = solve(g, near, selective=True, exact=False)
+    assert refine_args[-1] > 0 and simulate(g, plan.segments).peak_bytes <= near
+    assert tuple(s.node_names for s in lowest.segments) in keep_starts
