@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from planner.replay_facts import ReplayFacts, replay_facts
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
@@ -163,6 +165,11 @@ class CostGraph:
     @cached_property
     def storage_by_key(self) -> dict[int, Storage]:
         return {s.key: s for s in self.storages}
+
+    @cached_property
+    def replay_facts(self) -> ReplayFacts:
+        """What every replay of this graph needs and no plan changes (:mod:`planner.replay_facts`)."""
+        return replay_facts(self)
 
     @property
     def persistent_bytes(self) -> int:

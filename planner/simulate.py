@@ -62,8 +62,7 @@ def validate_segments(graph: CostGraph, segments: Iterable[Sequence[str]]) -> li
     """
     out: list[list[int]] = []
     taken: set[int] = set()
-    compute_positions = [i for i, n in enumerate(graph.nodes) if n.kind == "compute"]
-    rank = {pos: r for r, pos in enumerate(compute_positions)}
+    rank = graph.replay_facts.compute_rank
     for seg in segments:
         idx = sorted(graph.index[name] for name in seg)
         if not idx:
@@ -153,18 +152,10 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
     cache_views: list[list[int]] = [[] for _ in seg_indices]
     nodes = graph.nodes
     sizes = graph.storage_by_key
-    persistent = {k for k, s in sizes.items() if s.persistent}
+    facts = graph.replay_facts
+    persistent = facts.persistent
     seg_of: dict[int, int] = {i: s for s, idx in enumerate(seg_indices) for i in idx}
-
-    value_storages = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in nodes}
-    last_use: dict[int, int] = {}
-    for i, node in enumerate(nodes):
-        for k in value_storages[node.name]:
-            last_use[k] = max(last_use.get(k, i), i)
-        for name in node.input_names:
-            for k in value_storages[name]:
-                last_use[k] = max(last_use.get(k, i), i)
-    returned = {k for name in graph.output_names for k in value_storages[name]}
+    value_storages = facts.value_storages
 
     # Storages each segment keeps as inputs: read inside, produced before it.
     seg_inputs: list[set[int]] = []
@@ -188,12 +179,11 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
             mem.alloc(("segment_state", s), graph.segment_overhead_bytes)
         new_bytes = 0
         keep_output = s is not None and node.name in kept[s]
-        for k in (*node.output_storages, *node.saved_storages):
-            if k in persistent:
-                continue
+        lives_on = facts.lives_on[i]
+        for k in facts.made[i]:
             if mem.alloc(k, sizes[k].size_bytes):
                 new_bytes += sizes[k].size_bytes
-                if last_use.get(k, i) > i or k in returned:
+                if k in lives_on:
                     mem.hold(k)  # the forward reference, dropped after the last reader
                 if keep_output:
                     cached[s].add(k)
@@ -203,30 +193,23 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
                 mem.hold(k)
                 cache_views[s].append(k)
         if s is None:
-            for k in set(node.saved_storages) - persistent:
+            for k in facts.saved[i]:
                 mem.hold(k)
         if node.kind == "compute":
             mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
-        for k in set((*node.output_storages, *node.saved_storages)) - persistent:
+        for k in facts.made[i]:
             mem.free_if_unheld(k)
-        read = {k for name in node.input_names for k in value_storages[name]}
-        for k in read:
-            if last_use.get(k) == i and k not in returned:
-                mem.release(k)
+        for k in facts.forward_frees[i]:
+            mem.release(k)
 
     # ---- backward ----
-    def grad_key(name: str) -> object:
-        node = nodes[graph.index[name]]
-        if node.kind == "param" and node.output_storages:
-            return ("grad", node.output_storages[0])  # tied weights share one .grad
-        return ("grad", name)
-
+    grad_key = facts.grad_key
     differentiable = {n.name for n in nodes if n.requires_grad}
     starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
     for name in starts:
         if name in differentiable:
-            mem.alloc(grad_key(name), nodes[graph.index[name]].output_bytes)
-            mem.hold(grad_key(name))
+            mem.alloc(grad_key[name], nodes[graph.index[name]].output_bytes)
+            mem.hold(grad_key[name])
 
     recomputed: set[int] = set()
     for i in range(len(nodes) - 1, -1, -1):
@@ -234,7 +217,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
         if node.kind != "compute":
             continue
         s = seg_of.get(i)
-        own = grad_key(node.name)
+        own = grad_key[node.name]
         runs_backward = own in mem.refs
         if runs_backward and s is not None and s not in recomputed and node.saved_storages:
             recomputed.add(s)
@@ -244,12 +227,8 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
         if runs_backward:
             transient = 0
             new_bytes = 0
-            grads_made: list[object] = []
-            for name in dict.fromkeys(node.input_names):
-                if name not in differentiable:
-                    continue
-                key = grad_key(name)
-                size = nodes[graph.index[name]].output_bytes
+            grads_made = False
+            for key, size in facts.input_grads[i]:
                 if key in mem.refs:
                     transient += 0 if node.is_alias else size  # summed into the existing buffer
                 elif node.is_alias and not grads_made and own in mem.refs:
@@ -257,15 +236,15 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
                     mem.hold(key)
                     mem.size[key] = mem.size[own]
                     mem.size[own] = 0
-                    grads_made.append(key)
+                    grads_made = True
                 else:
                     mem.alloc(key, size)
                     mem.hold(key)
                     new_bytes += size
-                    grads_made.append(key)
+                    grads_made = True
             mem.observe("backward", node.name, max(transient, node.backward_peak_bytes - new_bytes))
             mem.release(own)
-        for k in set(node.saved_storages) - persistent:
+        for k in facts.saved[i]:
             if s is None:
                 mem.release(k)
             elif s in recomputed:  # before its recompute, a segment's nodes hold nothing they saved

@@ -1,0 +1,99 @@
+"""What a replay of a :class:`planner.costgraph.CostGraph` needs that no plan changes.
+
+:func:`planner.simulate.simulate` replays a step once per candidate plan, and the searches
+replay hundreds of plans of one graph (:mod:`planner.refine`, :mod:`planner.keep`). Which
+storages persist, who reads a storage last, what each node allocates, frees and saves, and
+the gradient buffers of its inputs are the graph's alone, so they are derived once
+(``CostGraph.replay_facts``, cached on the graph) instead of on every replay.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> g = CostGraph(
+    ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+    ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
+    ...                     saved_storages=(2,), output_bytes=100, requires_grad=True),
+    ...            CostNode("b", "relu", input_names=("a",), output_storages=(3,),
+    ...                     saved_storages=(3,), output_bytes=100, requires_grad=True)),
+    ...     storages=(Storage(1, 100, True), Storage(2, 100), Storage(3, 100)),
+    ...     output_names=("b",))
+    >>> facts = g.replay_facts
+    >>> facts.made[1], facts.last_use[2], sorted(facts.returned), facts.compute_rank
+    ((2,), 2, [3], {1: 0, 2: 1})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # costgraph imports this module to cache the facts on the graph
+    from planner.costgraph import CostGraph
+
+__all__ = ["ReplayFacts", "replay_facts"]
+
+
+@dataclass(frozen=True)
+class ReplayFacts:
+    """Per-graph facts of a replay; per-node tuples are indexed by node position.
+
+    ``persistent``: storages held for the whole step (parameters, buffers, inputs).
+    ``value_storages``: each node's output storages that are not persistent, by name.
+    ``last_use``: the last node position that produces or reads each such storage.
+    ``returned``: the storages of the module's outputs.
+    ``compute_rank``: each compute node's position among the compute nodes, by node position.
+    ``made``: what each node allocates in the forward (outputs, then saved storages; not
+    persistent, each once). ``lives_on``: those of ``made`` a later node reads or the module
+    returns. ``saved``: what each node saves for backward (not persistent). ``forward_frees``:
+    the storages whose last reader the node is (not returned). ``grad_key``: each node's
+    gradient buffer (tied weights share one). ``input_grads``: per node, the buffer and size
+    of each differentiable input's gradient, each input once.
+    """
+
+    persistent: frozenset[int]
+    value_storages: dict[str, tuple[int, ...]]
+    last_use: dict[int, int]
+    returned: frozenset[int]
+    compute_rank: dict[int, int]
+    made: tuple[tuple[int, ...], ...]
+    lives_on: tuple[frozenset[int], ...]
+    saved: tuple[tuple[int, ...], ...]
+    forward_frees: tuple[tuple[int, ...], ...]
+    grad_key: dict[str, object]
+    input_grads: tuple[tuple[tuple[object, int], ...], ...]
+
+
+def replay_facts(graph: CostGraph) -> ReplayFacts:
+    """Derive :class:`ReplayFacts` for ``graph`` (use ``graph.replay_facts``, which caches them)."""
+    nodes = graph.nodes
+    sizes = graph.storage_by_key
+    persistent = frozenset(k for k, s in sizes.items() if s.persistent)
+    value_storages = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in nodes}
+    last_use: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for k in value_storages[node.name]:
+            last_use[k] = max(last_use.get(k, i), i)
+        for name in node.input_names:
+            for k in value_storages[name]:
+                last_use[k] = max(last_use.get(k, i), i)
+    returned = frozenset(k for name in graph.output_names for k in value_storages[name])
+    compute_positions = [i for i, n in enumerate(nodes) if n.kind == "compute"]
+    made = tuple(tuple(dict.fromkeys(k for k in (*n.output_storages, *n.saved_storages) if k not in persistent))
+                 for n in nodes)
+    lives_on = tuple(frozenset(k for k in made[i] if last_use.get(k, i) > i or k in returned)
+                     for i in range(len(nodes)))
+    saved = tuple(tuple(dict.fromkeys(k for k in n.saved_storages if k not in persistent)) for n in nodes)
+    forward_frees = tuple(
+        tuple(k for k in dict.fromkeys(k for name in n.input_names for k in value_storages[name])
+              if last_use.get(k) == i and k not in returned)
+        for i, n in enumerate(nodes))
+    grad_key: dict[str, object] = {
+        n.name: ("grad", n.output_storages[0]) if n.kind == "param" and n.output_storages else ("grad", n.name)
+        for n in nodes}
+    differentiable = {n.name for n in nodes if n.requires_grad}
+    input_grads = tuple(
+        tuple((grad_key[name], nodes[graph.index[name]].output_bytes)
+              for name in dict.fromkeys(n.input_names) if name in differentiable)
+        for n in nodes)
+    return ReplayFacts(persistent, value_storages, last_use, returned,
+                       {pos: r for r, pos in enumerate(compute_positions)}, made, lives_on, saved, forward_frees,
+                       grad_key, input_grads)
