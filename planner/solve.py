@@ -947,7 +947,8 @@ def _with_kept_outputs(
     the chain DP chooses segments and keep options together they no longer won on any
     profile measured, at 2 s each on 1,000-node graphs.)"""
     if fallback is None:
-        rough = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s, refine_s=0)
+        rough = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                  refine_s=0, exact=False)
         if budget_bytes <= KEEP_FROM_SMALLEST_PEAK_WITHIN * rough.predicted_peak_bytes:
             fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
                                          refine_s=refine_s)
