@@ -443,3 +443,22 @@ def test_the_smallest_peak_plan_starts_the_keep_search_only_near_the_smallest_pe
     plan = solve(g, near, selective=True, exact=False)
     assert refine_args[-1] > 0 and simulate(g, plan.segments).peak_bytes <= near
     assert tuple(s.node_names for s in lowest.segments) in keep_starts
+
+
+def test_replay_facts_are_derived_once_per_graph_and_afresh_for_a_changed_one():
+    """The replay's per-graph facts are cached on the graph object; a graph made from it with
+    ``dataclasses.replace`` (how every transform of a CostGraph works) gets its own, so a
+    replay never sees another graph's sizes or readers."""
+    import dataclasses
+
+    g = _matmul_blocks(3)
+    assert g.replay_facts is g.replay_facts
+    segments = [("mm1_1", "act_1", "mm2_1")]
+    doubled = dataclasses.replace(g, storages=tuple(dataclasses.replace(s, size_bytes=2 * s.size_bytes)
+                                                    for s in g.storages),
+                                  nodes=tuple(dataclasses.replace(n, output_bytes=2 * n.output_bytes)
+                                              for n in g.nodes))
+    assert doubled.replay_facts is not g.replay_facts
+    assert simulate(doubled, segments).peak_bytes == 2 * simulate(g, segments).peak_bytes
+    fewer_outputs = dataclasses.replace(g, output_names=())
+    assert fewer_outputs.replay_facts.returned == frozenset() != g.replay_facts.returned
