@@ -615,7 +615,8 @@ def solve(
     at least 16 times ``max_stages`` compute nodes, with ``short_segments``, rounds also start
     from the ILP's plan on 8 times ``max_stages`` stages with short segments, on deeper graphs
     also from more stages (:func:`short_segment_shapes`), and the cheapest end is kept
-    (:func:`_short_segments_plan`; segments-only solves). ``finer_s`` bounds each start's ILP
+    (:func:`_short_segments_plan`; segments-only solves; they run where the first ILP found no
+    plan too, and the exact search below then looks only for a cheaper one). ``finer_s`` bounds each start's ILP
     and, separately, its rounds: it is a guard, not a limit on the whole solve (on a 24-layer
     GPT-2 at 60 % of its peak the start on 491 stages ran into it, README "Solve time"). With ``exact``
     too, the cheapest of the exact search's plan and the finer passes'.
@@ -686,9 +687,12 @@ def solve(
     if finer_rounds < 0:
         raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
     finer = None
-    if plan is not None and finer_s > 0 and finer_rounds > 0:
+    # the short-segment starts run where the first model found no plan too: near the smallest
+    # peak its 32 stages can miss a budget their many stages meet (GPT-2 width 768 at 1.005x
+    # its smallest peak: 334.4 ms in 1 s, where the exact search took 10 s for 580.6 ms)
+    if finer_s > 0 and finer_rounds > 0:
         finer_limit_s = min(finer_s, time_limit_s)
-        if deadline.allows("the finer rounds"):
+        if plan is not None and deadline.allows("the finer rounds"):
             finer = _on_finer_stages(graph, plan, len(stages), budget_bytes, unoptimized, selective=selective,
                                      solver=solver, time_limit_s=deadline.cut(finer_limit_s),
                                      max_attempts=max_attempts, started=started, rounds=finer_rounds,
@@ -718,15 +722,17 @@ def solve(
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
                  "the ILP found none" if cheaper is None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
-        plan, proven_infeasible = _cheapest_by_optimistic_account(graph, model, plan, budget_bytes, unoptimized,
-                                                                  solver, search_s, started)
+        plan, proven_infeasible = _cheapest_by_optimistic_account(
+            graph, model, plan, budget_bytes, unoptimized, solver, search_s, started,
+            incumbent_ms=cheaper.recompute_ms if plan is None and cheaper is not None else None)
     if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
         plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
     if plan is not None:
+        found_on_stages = ilp_found or plan is finer
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
         # a plan only the search found gets the cost search the fallback below would get
-        if not ilp_found:
+        if not found_on_stages:
             search_refine_s = refine_s
         else:  # polishing an ILP plan only improves it: bounded by the deadline
             search_refine_s = deadline.cut(refine_s) if polish and deadline.allows("the cost search") else 0.0
@@ -1007,13 +1013,17 @@ def _cheapest_by_optimistic_account(
     solver: str | None,
     time_limit_s: float,
     started: float,
+    incumbent_ms: float | None = None,
 ) -> tuple[Plan | None, bool]:
     """``plan`` (the ILP's, or None when it found none), or the cheaper plan over the same
     stages that :func:`planner.relaxation.search_cheapest` finds; a plan the search proves the
     cheapest gets the MIP gap as its optimality gap, measured against the simulator's account.
-    And whether the search proved that no plan over the stages fits the budget."""
+    And whether the search proved that no plan over the stages fits the budget.
+    ``incumbent_ms``: with no ``plan``, the cost of a plan found on other stages; the search
+    then looks only for cheaper ones, and finding none proves nothing infeasible."""
     name = _choose_solver(solver)
-    incumbent_ms = plan.recompute_ms if plan is not None else math.inf
+    if plan is not None or incumbent_ms is None:
+        incumbent_ms = plan.recompute_ms if plan is not None else math.inf
     found = search_cheapest(graph, model.stages, budget_bytes, incumbent_ms,
                             lambda prob: _run_solver(prob, name, time_limit_s, presolve=False), time_limit_s=time_limit_s)
     log.info("optimistic account: %d candidates, %s", found.candidates,
@@ -1021,7 +1031,7 @@ def _cheapest_by_optimistic_account(
     if found.runs is None:
         if plan is not None and found.proven and not plan.hit_time_limit:
             plan = dataclasses.replace(plan, optimality_gap=MIP_GAP)
-        return plan, plan is None and found.proven
+        return plan, plan is None and found.proven and incumbent_ms == math.inf
     segments = _segments(graph, model, found.runs)
     label = f"{plan.solver if plan is not None else name} + exact"
     return _to_plan(graph, segments, budget_bytes, unoptimized, simulate(graph, segments).peak_bytes, label,
