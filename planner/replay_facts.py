@@ -8,17 +8,13 @@ the gradient buffers of its inputs are the graph's alone, so they are derived on
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> g = CostGraph(
-    ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
-    ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
-    ...                     saved_storages=(2,), output_bytes=100, requires_grad=True),
-    ...            CostNode("b", "relu", input_names=("a",), output_storages=(3,),
-    ...                     saved_storages=(3,), output_bytes=100, requires_grad=True)),
-    ...     storages=(Storage(1, 100, True), Storage(2, 100), Storage(3, 100)),
-    ...     output_names=("b",))
+    >>> w = CostNode("w", "param", kind="param", output_storages=(0,), output_bytes=32, requires_grad=True)
+    >>> mm = CostNode("mm", "mm", input_names=("w",), output_storages=(1,), saved_storages=(0, 1),
+    ...               output_bytes=64, requires_grad=True)
+    >>> g = CostGraph((w, mm), (Storage(0, 32, True), Storage(1, 64)), output_names=("mm",))
     >>> facts = g.replay_facts
-    >>> facts.made[1], facts.last_use[2], sorted(facts.returned), facts.compute_rank
-    ((2,), 2, [3], {1: 0, 2: 1})
+    >>> facts.made[1], facts.saved[1], sorted(facts.returned), facts.input_grads[1]
+    ((1,), (1,), [1], ((('grad', 0), 32),))
 """
 
 from __future__ import annotations
