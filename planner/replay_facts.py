@@ -41,8 +41,9 @@ class ReplayFacts:
     persistent, each once). ``lives_on``: those of ``made`` a later node reads or the module
     returns. ``saved``: what each node saves for backward (not persistent). ``forward_frees``:
     the storages whose last reader the node is (not returned). ``grad_key``: each node's
-    gradient buffer (tied weights share one). ``input_grads``: per node, the buffer and size
-    of each differentiable input's gradient, each input once.
+    gradient buffer (tied weights share one). ``differentiable``: the nodes whose outputs
+    require grad. ``input_grads``: per node, the buffer and size of each differentiable
+    input's gradient, each input once.
     """
 
     persistent: frozenset[int]
@@ -55,6 +56,7 @@ class ReplayFacts:
     saved: tuple[tuple[int, ...], ...]
     forward_frees: tuple[tuple[int, ...], ...]
     grad_key: dict[str, object]
+    differentiable: frozenset[str]
     input_grads: tuple[tuple[tuple[object, int], ...], ...]
 
 
@@ -85,11 +87,11 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
     grad_key: dict[str, object] = {
         n.name: ("grad", n.output_storages[0]) if n.kind == "param" and n.output_storages else ("grad", n.name)
         for n in nodes}
-    differentiable = {n.name for n in nodes if n.requires_grad}
+    differentiable = frozenset(n.name for n in nodes if n.requires_grad)
     input_grads = tuple(
         tuple((grad_key[name], nodes[graph.index[name]].output_bytes)
               for name in dict.fromkeys(n.input_names) if name in differentiable)
         for n in nodes)
     return ReplayFacts(persistent, value_storages, last_use, returned,
                        {pos: r for r, pos in enumerate(compute_positions)}, made, lives_on, saved, forward_frees,
-                       grad_key, input_grads)
+                       grad_key, differentiable, input_grads)

@@ -204,7 +204,7 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
 
     # ---- backward ----
     grad_key = facts.grad_key
-    differentiable = {n.name for n in nodes if n.requires_grad}
+    differentiable = facts.differentiable
     starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
     for name in starts:
         if name in differentiable:

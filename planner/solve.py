@@ -69,8 +69,8 @@ MIP_GAP = 0.01
 #: with ``selective``, the smallest-peak plan is a start for keeping outputs only at budgets up to
 #: this multiple of the smallest-peak ILP's peak (before its refinement). On the GPT-2 (widths 256
 #: and 768, 4 to 24 layers), Llama, BERT, MLP and 17-layer fake profiles, at 69 budgets from 1.005
-#: to 5.8 times the smallest peak, that start gave the cheapest plan only at 0.97 and 0.99 times
-#: the ILP's peak (GPT-2 width 768: 480.5 against 521.9 ms), never above 1.02; above it, it cost
+#: to 5.8 times the smallest peak, that start was cheaper than the others only at 0.99 times the
+#: ILP's peak (GPT-2 width 768: 480.5 against 521.9 ms) and tied at up to 1.02; above that, it cost
 #: 0.6 s of ILP, 2 s of refinement and up to 2 s of keep search (README "Solve time")
 KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
 #: the solver name of plans found by :func:`_solve_chain`
