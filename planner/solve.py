@@ -724,7 +724,7 @@ def solve(
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
         plan, proven_infeasible = _cheapest_by_optimistic_account(
             graph, model, plan, budget_bytes, unoptimized, solver, search_s, started,
-            incumbent_ms=cheaper.recompute_ms if plan is None and cheaper is not None else None)
+            incumbent_ms=cheaper.recompute_ms if cheaper is not None else None)
     if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
         plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
@@ -1019,17 +1019,20 @@ def _cheapest_by_optimistic_account(
     stages that :func:`planner.relaxation.search_cheapest` finds; a plan the search proves the
     cheapest gets the MIP gap as its optimality gap, measured against the simulator's account.
     And whether the search proved that no plan over the stages fits the budget.
-    ``incumbent_ms``: with no ``plan``, the cost of a plan found on other stages; the search
-    then looks only for cheaper ones, and finding none proves nothing infeasible."""
+    ``incumbent_ms``: the cost of the cheapest plan in hand, found on these or other stages
+    (default: ``plan``'s); the search looks only for cheaper ones (a cut-off in its MILP), so
+    finding none proves nothing infeasible, and proves ``plan`` the cheapest only when it is
+    the plan in hand."""
     name = _choose_solver(solver)
-    if plan is not None or incumbent_ms is None:
+    if incumbent_ms is None:
         incumbent_ms = plan.recompute_ms if plan is not None else math.inf
     found = search_cheapest(graph, model.stages, budget_bytes, incumbent_ms,
                             lambda prob: _run_solver(prob, name, time_limit_s, presolve=False), time_limit_s=time_limit_s)
     log.info("optimistic account: %d candidates, %s", found.candidates,
              "cheaper plan found" if found.runs is not None else "proven" if found.proven else "stopped")
     if found.runs is None:
-        if plan is not None and found.proven and not plan.hit_time_limit:
+        if (plan is not None and found.proven and not plan.hit_time_limit
+                and incumbent_ms >= plan.recompute_ms - 1e-9):
             plan = dataclasses.replace(plan, optimality_gap=MIP_GAP)
         return plan, plan is None and found.proven and incumbent_ms == math.inf
     segments = _segments(graph, model, found.runs)
