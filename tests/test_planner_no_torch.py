@@ -468,8 +468,9 @@ def test_the_short_segment_starts_plan_a_budget_the_first_stages_miss(monkeypatc
     """Near the smallest peak the first stage model can find no plan where the finest start
     (one stage per compute node) finds one (GPT-2 width 768 at 1.005x its smallest peak: 334 ms
     of recompute in 1 s, where the exact search on the first stages took 10 s for 581 ms).
-    Forced here: the first model misses; the solve still returns the finest start's plan, and
-    the exact search after it only looks for a cheaper one."""
+    Forced here: the first model misses, at the budget and at targets raised above it; the
+    solve still returns the finest start's plan, and the exact search after it only looks for
+    a cheaper one."""
     import importlib
 
     solve_module = importlib.import_module("planner.solve")
@@ -487,6 +488,13 @@ def test_the_short_segment_starts_plan_a_budget_the_first_stages_miss(monkeypatc
         incumbents.append(kwargs.get("incumbent_ms"))
         return real_search(*args, **kwargs)
 
+    def first_misses_raised_too(graph, model, plan, *args):
+        if len(model.stages) == 8:
+            return plan
+        return real_loosened(graph, model, plan, *args)
+
+    real_loosened = solve_module._loosened
+    monkeypatch.setattr(solve_module, "_loosened", first_misses_raised_too)
     monkeypatch.setattr(solve_module, "_tightened", first_misses)
     monkeypatch.setattr(solve_module, "_cheapest_by_optimistic_account", search_spy)
     plan = solve(g, budget, max_stages=8, exact=True)
@@ -548,3 +556,33 @@ def test_search_cheapest_cuts_off_at_the_incumbent():
     assert below.cost_ms == pytest.approx(free.cost_ms * 0.9)
     above = search_cheapest(g, stages, budget, free.cost_ms * 1.5, run)
     assert above.runs == free.runs and above.cost_ms == pytest.approx(free.cost_ms)
+
+
+def test_a_target_raised_above_the_budget_finds_plans_that_fit_it():
+    """The stage model's account is conservative, so the chain DP's plan at a target above the
+    budget can still fit the budget in the simulator and cost less than its plan at the budget
+    (or exist where it has none). ``_loosened`` keeps only plans whose replay fits, never a
+    dearer one, and ``solve`` is never dearer than the raised plan of its first model."""
+    import importlib
+
+    solve_module = importlib.import_module("planner.solve")
+    cheaper = 0
+    for seed in range(6, 18):
+        g = random_dag(seed, 12)
+        unoptimized = simulate(g).peak_bytes
+        stages = build_stages(g)
+        model = build_stage_model(g, stages, max_segment_stages=len(stages))
+        for fraction in (0.8, 0.9):
+            budget = int(unoptimized * fraction)
+            at_budget = solve_module._tightened(g, model, budget, unoptimized, None, 60.0, 8, 0.0,
+                                                by_chain_dp=True, loosen=False)
+            raised = solve_module._loosened(g, model, at_budget, budget, unoptimized, 0.0)
+            if raised is None:
+                assert at_budget is None
+                continue
+            assert raised.predicted_peak_bytes == simulate(g, raised.segments).peak_bytes <= budget
+            if at_budget is not None:
+                assert raised.recompute_ms <= at_budget.recompute_ms + 1e-9
+            cheaper += at_budget is None or raised.recompute_ms < at_budget.recompute_ms - 1e-9
+            assert solve(g, budget, exact=False).recompute_ms <= raised.recompute_ms + 1e-9
+    assert cheaper >= 5, f"a raised target helped in {cheaper} cases"
