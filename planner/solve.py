@@ -76,10 +76,12 @@ KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
 #: the solver name of plans found by :func:`_solve_chain`
 CHAIN_DP = "chain DP"
 #: the stage model's account is conservative: a plan the chain DP finds at a target this far
-#: above the budget can still fit it in the simulator, and cost less (:func:`_loosened`). On the
-#: residual MLP's 50 stages at 0.63 of its peak 25.8 -> 21.3 ms; on Llama's first 32 stages at
-#: 1.01 times its smallest peak a plan (84.3 ms in 0.4 s) where the model found none and the
-#: exact search took 5 s for the same plan
+#: above the budget can still fit it in the simulator, and cost less (:func:`_loosened`; on the
+#: first model and the short-segment starts, not in the finer rounds, where on a 17-layer GPT-2
+#: it took 1.2 s more for the same plan). On the residual MLP's 50 stages (its finest start) at
+#: 0.63 of its peak 25.8 -> 21.3 ms; on Llama's first 32 stages at 1.01 times its smallest peak
+#: a plan where the model found none, and with the finer rounds from it 81.7 ms in 3 to 5 s,
+#: where the exact search had taken 5 to 15 s for 84.3 ms
 LOOSEN_STEPS = (0.01, 0.02, 0.03, 0.05, 0.08)
 #: loosen only models of at most this many candidate segments, where a DP solve takes a
 #: fraction of a second (one stage per node on a 222-node GPT-2, about 9,000 candidates, takes
@@ -901,7 +903,7 @@ def _on_finer_stages(
 
         def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
             return _tightened(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
-                              node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
+                              node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp, loosen=False)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
                                                 max_candidates=FINER_ROUND_MAX_CANDIDATES if capped else None)
@@ -1118,9 +1120,10 @@ def _loosened(graph: CostGraph, model: StageModel, plan: Plan | None, budget_byt
     stage model's account is conservative, so its plans can leave room the simulator does not
     see used. Targets :data:`LOOSEN_STEPS` above the budget, in order, until one's plan goes
     over it, then once between that target and the last that fitted; only on models of at
-    most :data:`LOOSEN_MAX_CANDIDATES` candidate segments, where a DP solve takes a fraction
-    of a second."""
-    if len(model.segments) > LOOSEN_MAX_CANDIDATES:
+    most :data:`LOOSEN_MAX_CANDIDATES` candidate segments and no keep options, where a DP
+    solve takes a fraction of a second (with keep options, 0.3 s on a 17-layer GPT-2's 33
+    stages)."""
+    if len(model.segments) > LOOSEN_MAX_CANDIDATES or any(model.keep_options):
         return plan
     best = plan
     fitted, over = 0.0, None
