@@ -84,9 +84,11 @@ CHAIN_DP = "chain DP"
 #: where the exact search had taken 5 to 15 s for 84.3 ms
 LOOSEN_STEPS = (0.01, 0.02, 0.03, 0.05, 0.08)
 #: loosen only models of at most this many candidate segments, where a DP solve takes a
-#: fraction of a second (one stage per node on a 222-node GPT-2, about 9,000 candidates, takes
-#: 1 to 2 s a solve, and raising its target found nothing cheaper on five profiles)
-LOOSEN_MAX_CANDIDATES = 2000
+#: fraction of a second: the first model (528 on 32 stages) and the MLP's finest start (1,275
+#: on 50 stages), where it paid; not the 24-layer GPT-2's 248-stage start (1,948: 0.7 s for the
+#: same plan) nor one stage per node on a 222-node GPT-2 (about 9,000: 1 to 2 s a solve, and
+#: nothing cheaper on five profiles)
+LOOSEN_MAX_CANDIDATES = 1500
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 #: each ILP on finer stages stops after this many branch-and-bound nodes (an effort limit: the
 #: same plan on every machine); all of them together stop after this many seconds (a guard)
