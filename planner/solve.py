@@ -706,7 +706,8 @@ def solve(
     # a candidate of its own, and the finer rounds' start where the model found none at the
     # budget; the rounds start from the budget's own plan otherwise (on Llama at 1.03 times its
     # smallest peak, 75.6 ms from it against 76.2 from the raised target's 78.4)
-    raised = _loosened(graph, model, plan, budget_bytes, unoptimized, started) if by_chain_dp else plan
+    by_dp = by_chain_dp and (plan is None or plan.solver.startswith(CHAIN_DP))  # not where the DP was too large
+    raised = _loosened(graph, model, plan, budget_bytes, unoptimized, started) if by_dp else plan
     if finer_rounds < 0:
         raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
     finer = None
