@@ -700,8 +700,7 @@ def solve(
     model = build_stage_model(graph, stages, max_segment_stages=len(stages), selective=selective)
     by_chain_dp = solver is None  # a solver named by the caller solves every stage model
     plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
-                      node_limit=FIRST_ILP_NODES, node_limit_needs_plan=True, by_chain_dp=by_chain_dp,
-                      loosen=False)
+                      node_limit=FIRST_ILP_NODES, node_limit_needs_plan=True, by_chain_dp=by_chain_dp)
     ilp_found = plan is not None
     # a candidate of its own, and the finer rounds' start where the model found none at the
     # budget; the rounds start from the budget's own plan otherwise (on Llama at 1.03 times its
@@ -850,7 +849,7 @@ def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages:
     model = build_stage_model(graph, stages, max_segment_stages=max_segment_stages)
     try:
         plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
-                          node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
+                          node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp, loosen=True)
     except SolverError as exc:
         log.info("short segments on %d stages: no plan (%s)", len(stages), exc)
         return None, len(stages)
@@ -910,7 +909,7 @@ def _on_finer_stages(
 
         def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
             return _tightened(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
-                              node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp, loosen=False)
+                              node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
                                                 max_candidates=FINER_ROUND_MAX_CANDIDATES if capped else None)
@@ -1081,7 +1080,7 @@ def _tightened(
     node_limit: int | None = None,
     node_limit_needs_plan: bool = False,
     by_chain_dp: bool = False,
-    loosen: bool = True,
+    loosen: bool = False,
 ) -> Plan | None:
     """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
     fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
