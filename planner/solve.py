@@ -89,6 +89,11 @@ LOOSEN_STEPS = (0.01, 0.02, 0.03, 0.05, 0.08)
 #: same plan) nor one stage per node on a 222-node GPT-2 (about 9,000: 1 to 2 s a solve, and
 #: nothing cheaper on five profiles)
 LOOSEN_MAX_CANDIDATES = 1500
+#: after the first raised target whose plan goes over the budget, this many bisection steps
+#: between it and the last that fitted (or the budget): the window where plans fit can be
+#: narrow (Llama at 1.01 times its smallest peak: no plan at the budget, over at 0.5 % above
+#: it, one that fits at 0.25 %)
+LOOSEN_BISECT_STEPS = 3
 _ACCEPTED = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 #: each ILP on finer stages stops after this many branch-and-bound nodes (an effort limit: the
 #: same plan on every machine); all of them together stop after this many seconds (a guard)
@@ -1223,7 +1228,8 @@ def _loosened(graph: CostGraph, model: StageModel, plan: Plan | None, budget_byt
     DP finds at a target above the budget that still fits the budget in the simulator: the
     stage model's account is conservative, so its plans can leave room the simulator does not
     see used. Targets :data:`LOOSEN_STEPS` above the budget, in order, until one's plan goes
-    over it, then once between that target and the last that fitted; only on models of at
+    over it, then :data:`LOOSEN_BISECT_STEPS` bisection steps between that target and the last
+    that fitted (or the budget); only on models of at
     most :data:`LOOSEN_MAX_CANDIDATES` candidate segments and no keep options, where a DP
     solve takes a fraction of a second (with keep options, 0.3 s on a 17-layer GPT-2's 33
     stages)."""
@@ -1241,10 +1247,16 @@ def _loosened(graph: CostGraph, model: StageModel, plan: Plan | None, budget_byt
                 fitted = step
                 if best is None or attempt.recompute_ms < best.recompute_ms - 1e-9:
                     best = attempt
-        if over is not None:
-            attempt = _fits_at(graph, model, budget_bytes, unoptimized, started, (fitted + over) / 2)
-            if (attempt is not None and attempt.predicted_peak_bytes <= budget_bytes
-                    and (best is None or attempt.recompute_ms < best.recompute_ms - 1e-9)):
+        bisections = LOOSEN_BISECT_STEPS if over is not None else 0
+        while bisections > 0 and over is not None:
+            bisections -= 1
+            middle = (fitted + over) / 2
+            attempt = _fits_at(graph, model, budget_bytes, unoptimized, started, middle)
+            if attempt is not None and attempt.predicted_peak_bytes > budget_bytes:
+                over = middle
+                continue
+            fitted = middle  # a plan that fits, or none at this target nor below it
+            if attempt is not None and (best is None or attempt.recompute_ms < best.recompute_ms - 1e-9):
                 best = attempt
     except ChainSearchTooLarge as exc:
         log.info("%s on %d stages above the budget: %s; stopped raising the target", CHAIN_DP,

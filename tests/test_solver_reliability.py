@@ -740,3 +740,25 @@ def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     assert cut_short.predicted_peak_bytes == simulate(g, cut_short.segments).peak_bytes <= budget
     with pytest.raises(InputError, match="exact_s"):
         solve(g, budget, exact_s=0)
+
+
+def test_raised_targets_bisect_into_a_narrow_window_where_plans_fit(monkeypatch):
+    """The stored Llama profile at 1.01 times its smallest peak (91,656,264 bytes): the first
+    stage model has no plan at the budget, and its plans at 1 % and 0.5 % above it replay over
+    it; at 0.25 % above, one fits. Bisecting three times finds it, once did not, and the whole
+    solve then fell back to the smallest-peak plan (67.2 ms, after a 28 s exact search) where
+    at 1.005 times it plans 64.6 ms: a larger budget gave a dearer plan."""
+    from profiling.cache import load_profile
+
+    g = load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json")
+    unoptimized = simulate(g).peak_bytes
+    budget = int(91_656_264 * 1.01)
+    stages = build_stages(g, 32)
+    model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
+    assert solve_module._solve_chain(model, budget / MIB) is None
+    raised = solve_module._loosened(g, model, None, budget, unoptimized, 0.0)
+    assert raised is not None
+    assert raised.predicted_peak_bytes == simulate(g, [s.node_names for s in raised.segments]).peak_bytes <= budget
+    assert solve(g, budget).recompute_ms <= solve(g, int(91_656_264 * 1.005)).recompute_ms + 1e-9
+    monkeypatch.setattr(solve_module, "LOOSEN_BISECT_STEPS", 1)
+    assert solve_module._loosened(g, model, None, budget, unoptimized, 0.0) is None
