@@ -692,6 +692,7 @@ def _lowest_by_dp_starts(graph: CostGraph, model: StageModel, segments: list[Seg
                  lowered_from / MIB, peak / MIB, probes)
     return segments, peak
 
+
 def solve(
     graph: CostGraph,
     budget_bytes: int,
