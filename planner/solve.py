@@ -762,6 +762,11 @@ def solve(
     nothing cheaper in 4 to 26 s more (``benchmarks/exact_search.py``, README). ``True`` runs it for up to ``time_limit_s``; the smallest-peak search
     that answers an infeasible budget bisects with it only with ``True`` or under 64 nodes.
 
+    When no stage model finds a plan, on graphs of 64 compute nodes or more with ``exact=None``
+    the smallest peak (:func:`minimum_peak_plan`) is found first: a budget below it is refused
+    without the exact search (on Llama it took 9.5 s to prove that nothing fits), and at or
+    above it the search looks only for plans cheaper than the smallest-peak one.
+
     When the ILP finds no plan, the smallest-peak plan is searched by local moves judged by the
     simulator and, if it fits, made cheaper the same way, for up to ``refine_s`` seconds each
     (:mod:`planner.refine`); ``refine_s=0`` turns this off. ``polish=True`` also runs the
@@ -843,12 +848,22 @@ def solve(
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     proven_infeasible = False
     search_s = time_limit_s if exact else min(time_limit_s, exact_s)
+    smallest: Plan | None = None
+    if cheaper is None and exact is None and not selective and len(graph.compute_nodes) >= ALL_CUTS_BELOW:
+        # no stage model found a plan: the smallest peak first, and a budget below it is refused
+        # at once (on Llama the exact search took 9.5 s there to prove that no plan fits); at or
+        # above it, the exact search looks only for a plan cheaper than the smallest-peak one
+        smallest = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                     refine_s=refine_s, exact=False)
+        if smallest.predicted_peak_bytes > budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes, smallest.predicted_peak_bytes)
+        cheaper = smallest
     if cheaper is not None:  # with a plan in hand the search only improves it: bounded by the deadline
         search_s = deadline.cut(search_s)
-    if (not selective and _cost_search_on(graph, exact, cheaper, budget_bytes)
+    if (not selective and _cost_search_on(graph, exact, None if smallest is not None else cheaper, budget_bytes)
             and (cheaper is None or deadline.allows("the exact search"))):
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
-                 "the ILP found none" if cheaper is None else
+                 "the stage models found none" if cheaper is None or smallest is not None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
         plan, proven_infeasible = _cheapest_by_optimistic_account(
             graph, model, plan, budget_bytes, unoptimized, solver, search_s, started,
@@ -866,8 +881,9 @@ def solve(
             search_refine_s = deadline.cut(refine_s) if polish and deadline.allows("the cost search") else 0.0
         plan = _refined(graph, plan, budget_bytes, search_refine_s, started)
     else:
-        fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                     refine_s=refine_s, exact=_exact_search_on(graph, exact),
+        fallback = smallest or minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
+                                                 time_limit_s=time_limit_s, refine_s=refine_s,
+                                                 exact=_exact_search_on(graph, exact),
                                      exact_s=search_s,
                                      infeasible_bytes=budget_bytes if proven_infeasible else 0,
                                      # a selective solve that misses the budget asks the segments-only one

@@ -762,3 +762,29 @@ def test_raised_targets_bisect_into_a_narrow_window_where_plans_fit(monkeypatch)
     assert solve(g, budget).recompute_ms <= solve(g, int(91_656_264 * 1.005)).recompute_ms + 1e-9
     monkeypatch.setattr(solve_module, "LOOSEN_BISECT_STEPS", 1)
     assert solve_module._loosened(g, model, None, budget, unoptimized, 0.0) is None
+
+
+@pytest.mark.slow
+def test_a_budget_below_the_smallest_peak_is_refused_before_the_exact_search(monkeypatch):
+    """The stored Llama (303 compute nodes, where the exact search runs by default when no
+    stage model finds a plan) at 0.995 times its smallest peak: the refusal names that peak
+    without running the exact search, which took 9.5 s there to prove that nothing fits; at
+    1.01 times it, a plan (the exact search, if it runs, looks only below the plan in hand)."""
+    from profiling.cache import load_profile
+
+    g = load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json")
+    searched: list[float | None] = []
+    real_search = solve_module._cheapest_by_optimistic_account
+
+    def search_spy(*args, **kwargs):
+        searched.append(kwargs.get("incumbent_ms"))
+        return real_search(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "_cheapest_by_optimistic_account", search_spy)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(g, int(91_656_264 * 0.995))
+    assert info.value.min_feasible_bytes == minimum_peak_plan(g).predicted_peak_bytes == 91_656_264
+    assert searched == []
+    plan = solve(g, int(91_656_264 * 1.01))
+    assert plan.predicted_peak_bytes <= int(91_656_264 * 1.01)
+    assert all(incumbent is not None for incumbent in searched)
