@@ -857,17 +857,17 @@ def solve(
                                      refine_s=refine_s, exact=False)
         if smallest.predicted_peak_bytes > budget_bytes:
             raise InfeasibleBudgetError(budget_bytes, smallest.predicted_peak_bytes)
-        cheaper = smallest
-    if cheaper is not None:  # with a plan in hand the search only improves it: bounded by the deadline
+    in_hand = cheaper or smallest  # the cheapest plan in hand: the exact search's cut-off
+    if in_hand is not None:  # with a plan in hand the search only improves it: bounded by the deadline
         search_s = deadline.cut(search_s)
-    if (not selective and _cost_search_on(graph, exact, None if smallest is not None else cheaper, budget_bytes)
-            and (cheaper is None or deadline.allows("the exact search"))):
+    if (not selective and _cost_search_on(graph, exact, cheaper, budget_bytes)
+            and (in_hand is None or deadline.allows("the exact search"))):
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
-                 "the stage models found none" if cheaper is None or smallest is not None else
+                 "the stage models found none" if cheaper is None else
                  f"the ILP's plan leaves {1 - cheaper.predicted_peak_bytes / budget_bytes:.1%} of the budget unused")
         plan, proven_infeasible = _cheapest_by_optimistic_account(
             graph, model, plan, budget_bytes, unoptimized, solver, search_s, started,
-            incumbent_ms=cheaper.recompute_ms if cheaper is not None else None)
+            incumbent_ms=in_hand.recompute_ms if in_hand is not None else None)
     if finer is not None and (plan is None or finer.recompute_ms < plan.recompute_ms):
         plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
@@ -881,13 +881,11 @@ def solve(
             search_refine_s = deadline.cut(refine_s) if polish and deadline.allows("the cost search") else 0.0
         plan = _refined(graph, plan, budget_bytes, search_refine_s, started)
     else:
-        fallback = smallest or minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
-                                                 time_limit_s=time_limit_s, refine_s=refine_s,
-                                                 exact=_exact_search_on(graph, exact),
-                                     exact_s=search_s,
-                                     infeasible_bytes=budget_bytes if proven_infeasible else 0,
-                                     # a selective solve that misses the budget asks the segments-only one
-                                     lower_by_dp=not selective)
+        fallback = smallest or minimum_peak_plan(
+            graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s, refine_s=refine_s,
+            exact=_exact_search_on(graph, exact), exact_s=search_s,
+            infeasible_bytes=budget_bytes if proven_infeasible else 0,
+            lower_by_dp=not selective)  # a selective solve that misses the budget asks the segments-only one
         if fallback.predicted_peak_bytes > budget_bytes:
             if not selective:
                 raise InfeasibleBudgetError(budget_bytes, fallback.predicted_peak_bytes)
@@ -1264,17 +1262,17 @@ def _loosened(graph: CostGraph, model: StageModel, plan: Plan | None, budget_byt
                 fitted = step
                 if best is None or attempt.recompute_ms < best.recompute_ms - 1e-9:
                     best = attempt
-        bisections = LOOSEN_BISECT_STEPS if over is not None else 0
-        while bisections > 0 and over is not None:
-            bisections -= 1
-            middle = (fitted + over) / 2
-            attempt = _fits_at(graph, model, budget_bytes, unoptimized, started, middle)
-            if attempt is not None and attempt.predicted_peak_bytes > budget_bytes:
-                over = middle
-                continue
-            fitted = middle  # a plan that fits, or none at this target nor below it
-            if attempt is not None and (best is None or attempt.recompute_ms < best.recompute_ms - 1e-9):
-                best = attempt
+        if over is not None:  # bisect between the last target that fitted and the first that went over
+            high = over
+            for _ in range(LOOSEN_BISECT_STEPS):
+                middle = (fitted + high) / 2
+                attempt = _fits_at(graph, model, budget_bytes, unoptimized, started, middle)
+                if attempt is not None and attempt.predicted_peak_bytes > budget_bytes:
+                    high = middle
+                    continue
+                fitted = middle  # a plan that fits, or none at this target nor below it
+                if attempt is not None and (best is None or attempt.recompute_ms < best.recompute_ms - 1e-9):
+                    best = attempt
     except ChainSearchTooLarge as exc:
         log.info("%s on %d stages above the budget: %s; stopped raising the target", CHAIN_DP,
                  len(model.stages), exc)
