@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+# First, before any module below imports PuLP: load it and drop the tracebacks it keeps, which
+# would otherwise pin the frames (and the locals) of whoever imports planner first.
+from planner.pulp_tracebacks import release_pulp_import_tracebacks  # isort: skip
+
+release_pulp_import_tracebacks()
+
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, SolverError, TraceError
 from planner.plan import Plan, Segment

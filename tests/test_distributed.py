@@ -43,6 +43,7 @@ def env() -> dict[str, str]:
     out = dict(os.environ)
     out["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "examples"), out.get("PYTHONPATH", "")])
     out["OMP_NUM_THREADS"] = "1"
+    out["PYTHONFAULTHANDLER"] = "1"  # a rank that crashes prints every thread's Python stack
     return out
 
 

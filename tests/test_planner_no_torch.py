@@ -21,6 +21,24 @@ def test_planner_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+
+def test_importing_planner_inside_a_function_keeps_none_of_its_locals():
+    # PuLP keeps the exceptions of the optional solver libraries it fails to load, tracebacks
+    # and all; those tracebacks held every frame running during the first import, so a function
+    # that imported planner kept its locals (a model, a DDP wrapper and its process group) alive
+    # until the interpreter exited.
+    code = (
+        "import gc, weakref\n"
+        "class Held: pass\n"
+        "def train():\n"
+        "    held = Held()\n"
+        "    import planner\n"
+        "    return weakref.ref(held)\n"
+        "ref = train(); gc.collect()\n"
+        "assert ref() is None, 'the importing function\\'s locals outlived it'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
 def test_simulate_chain_by_hand():
     # input 1 MiB + four 1 MiB saved activations, then backward: gradient of n4 plus n3's
     g = chain([1, 1, 1, 1])
