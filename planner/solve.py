@@ -1220,14 +1220,12 @@ def _tightened(
             result = _solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
         if result is None:
             break
-        segments = _segments(graph, model, result.chosen, result.kept)
-        peak = simulate(graph, segments).peak_bytes
+        plan = _replayed(graph, model, result, budget_bytes, unoptimized, started,
+                         f"{result.solver} (tightened)" if attempt else result.solver)
+        peak = plan.predicted_peak_bytes
         log.info("attempt %d: %d segments, simulated peak %.1f MiB (budget %.1f MiB)",
                  attempt, len(result.chosen), peak / MIB, budget_bytes / MIB)
         if peak <= budget_bytes:
-            label = f"{result.solver} (tightened)" if attempt else result.solver
-            plan = _to_plan(graph, segments, budget_bytes, unoptimized, peak, label, time.perf_counter() - started,
-                            result)
             if chain and loosen and attempt == 0:
                 return _loosened(graph, model, plan, budget_bytes, unoptimized, started)
             return plan
@@ -1290,9 +1288,14 @@ def _fits_at(graph: CostGraph, model: StageModel, budget_bytes: int, unoptimized
     against ``budget_bytes`` (its ``predicted_peak_bytes`` may exceed it); None when the DP
     finds no plan there."""
     result = _solve_chain(model, budget_bytes * (1 + raised_by) / MIB)
-    if result is None:
-        return None
+    return None if result is None else _replayed(graph, model, result, budget_bytes, unoptimized, started)
+
+
+def _replayed(graph: CostGraph, model: StageModel, result: _IlpResult, budget_bytes: int, unoptimized: int,
+              started: float, solver: str | None = None) -> Plan:
+    """``result``'s segments as a plan for ``budget_bytes``, its peak replayed in the simulator
+    (it may exceed the budget); ``solver`` names it (``result.solver`` by default)."""
     segments = _segments(graph, model, result.chosen, result.kept)
     peak = simulate(graph, segments).peak_bytes
-    return _to_plan(graph, segments, budget_bytes, unoptimized, peak, result.solver,
+    return _to_plan(graph, segments, budget_bytes, unoptimized, peak, solver or result.solver,
                     time.perf_counter() - started, result)
