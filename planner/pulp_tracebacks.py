@@ -5,9 +5,9 @@ attribute (``COPT_DLL.err``, ``CPLEX_PY.err``), to quote it if that solver is as
 An exception's traceback holds every frame that was running when it was raised, up to the
 outermost caller. So the first ``import planner`` inside a function kept that function's frame
 and all its locals (a model, its data, a DDP or FSDP wrapper and the process group under it)
-alive until the interpreter exited. A gloo process group still alive at interpreter shutdown
-has worker threads that may abort the process ("terminate called without an active
-exception") after the training itself has finished.
+alive until the interpreter exited. Found in ``examples/distributed_train.py``, whose
+``main()`` imports planner: after it returned, its DDP wrapper was still alive, held by
+``main``'s frame through the import frames of ``pulp/apis/copt_api.py``'s kept exception.
 
 :func:`release_pulp_import_tracebacks` drops those tracebacks; the exceptions and their
 messages stay, so PuLP's own error for a missing solver reads the same.
