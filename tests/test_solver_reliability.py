@@ -366,7 +366,6 @@ def test_sweep_spans_the_smallest_feasible_to_the_unoptimized_peak_with_its_marg
     assert plans[-1].segments == (), "the top of the sweep is the unoptimized step"
 
 
-
 def test_the_smallest_peak_is_lowered_by_the_chain_dps_starts():
     """24 MLP blocks (120 compute nodes, 30 per first stage of 4): the smallest-peak ILP on 4
     stages peaks at 72 MiB, while the chain DP's short-segment starts plan 36 MiB. The smallest
@@ -400,6 +399,7 @@ def test_the_smallest_peak_of_a_llama_profile_is_below_the_ilps():
     plan = solve(g, lowest.predicted_peak_bytes)
     assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes == plan.predicted_peak_bytes
     assert plan.predicted_peak_bytes <= lowest.predicted_peak_bytes
+
 
 def _slow_clock(step_s: float):
     """A ``time.perf_counter`` stand-in that advances ``step_s`` per call: a machine far slower
