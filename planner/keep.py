@@ -44,7 +44,7 @@ from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.refine import GUARD_FACTOR, replay_budget
 from planner.rerun import rerun_cost, skipped_node_names
-from planner.simulate import simulate
+from planner.simulate import fits_budget, simulate
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
 
@@ -194,7 +194,7 @@ def keep_outputs(
         return [segment_with_kept(graph, seg.node_names, k) for seg, k in zip(segments, kept)]
 
     def fits() -> bool:
-        return simulate(graph, build()).peak_bytes <= budget_bytes
+        return fits_budget(graph, build(), budget_bytes)
 
     order = _candidates(graph, segments)
     position, run, replays = 0, 1, 0
@@ -235,7 +235,7 @@ def _drop_unprofitable_keeps(graph: CostGraph, segments: list[Segment], budget_b
         if plain.recompute_ms > seg.recompute_ms:
             continue
         trial = [*out[:i], plain, *out[i + 1:]]
-        if simulate(graph, trial).peak_bytes <= budget_bytes:
+        if fits_budget(graph, trial, budget_bytes):
             out = trial
             cost_ms = policy_ms(graph, seg.node_names)
             log.info("segment %d: kept outputs save %.2f ms, the selective policy costs %.2f ms: recomputed instead",

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.rerun import after_last_save_fraction
 
-__all__ = ["SimulationResult", "simulate", "validate_segments"]
+__all__ = ["SimulationResult", "fits_budget", "simulate", "validate_segments"]
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,25 @@ def validate_segments(graph: CostGraph, segments: Iterable[Sequence[str]]) -> li
     return out
 
 
-class _Memory:
-    """Reference-counted live storages and the running total."""
+class _AboveLimit(Exception):
+    """Raised by :meth:`_Memory.observe` at the first moment above the replay's limit."""
 
-    def __init__(self, base_bytes: int) -> None:
+
+class _Memory:
+    """Reference-counted live storages and the running total.
+
+    With ``limit_bytes`` the replay stops (:class:`_AboveLimit`) at the first moment above it;
+    with ``record_timeline=False`` no timeline is kept.
+    """
+
+    def __init__(self, base_bytes: int, *, limit_bytes: float = math.inf, record_timeline: bool = True) -> None:
         self.live_bytes = base_bytes
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
         self.peak_bytes = base_bytes
         self.peak_at: tuple[str, str] = ("start", "")
-        self.timeline: list[tuple[str, str, int]] = []
+        self.limit_bytes = limit_bytes
+        self.timeline: list[tuple[str, str, int]] | None = [] if record_timeline else None
 
     def alloc(self, key: object, size_bytes: int) -> bool:
         if key in self.refs:
@@ -121,10 +131,13 @@ class _Memory:
 
     def observe(self, phase: str, node: str, extra_bytes: int = 0) -> None:
         now = self.live_bytes + extra_bytes
-        self.timeline.append((phase, node, now))
+        if self.timeline is not None:
+            self.timeline.append((phase, node, now))
         if now > self.peak_bytes:
             self.peak_bytes = now
             self.peak_at = (phase, node)
+            if now > self.limit_bytes:
+                raise _AboveLimit
 
 
 def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> SimulationResult:
@@ -136,6 +149,51 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
     outputs of its ``kept_nodes`` are kept from the forward (held until the segment's recompute
     hands them to the backward) and those nodes are not re-run.
     """
+    mem = _Memory(_persistent_bytes(graph))
+    _replay(graph, segments, mem)
+    assert mem.timeline is not None
+    return SimulationResult(
+        peak_bytes=mem.peak_bytes,
+        peak_phase=mem.peak_at[0],
+        peak_node=mem.peak_at[1],
+        timeline=tuple(mem.timeline),
+    )
+
+
+def fits_budget(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], budget_bytes: int) -> bool:
+    """Whether :func:`simulate`'s peak with ``segments`` is at most ``budget_bytes``.
+
+    The same replay, stopped at the first moment above the budget and without a timeline, so a
+    plan that does not fit costs a fraction of a full replay (searches that try many plans
+    near the budget reject most of them).
+
+    Example:
+        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph(
+        ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+        ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
+        ...                     saved_storages=(2,), output_bytes=100, requires_grad=True)),
+        ...     storages=(Storage(1, 100, True), Storage(2, 100)), output_names=("a",))
+        >>> simulate(g).peak_bytes, fits_budget(g, (), 300), fits_budget(g, (), 299)
+        (300, True, False)
+    """
+    mem = _Memory(_persistent_bytes(graph), limit_bytes=budget_bytes, record_timeline=False)
+    if mem.peak_bytes > budget_bytes:
+        return False
+    try:
+        _replay(graph, segments, mem)
+    except _AboveLimit:
+        return False
+    return True
+
+
+def _persistent_bytes(graph: CostGraph) -> int:
+    sizes = graph.storage_by_key
+    return sum(sizes[k].size_bytes for k in graph.replay_facts.persistent)
+
+
+def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: _Memory) -> None:
+    """Run the forward and backward of :func:`simulate` on ``mem``."""
     names: list[Sequence[str]] = []
     kept: list[frozenset[str]] = []
     for seg in segments:
@@ -167,8 +225,6 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
                 if name not in inside:
                     keep.update(value_storages[name])
         seg_inputs.append(keep)
-
-    mem = _Memory(sum(sizes[k].size_bytes for k in persistent))
 
     # ---- forward ----
     for i, node in enumerate(nodes):
@@ -253,13 +309,6 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
             for k in seg_inputs[s]:
                 mem.release(k)
             mem.free(("segment_state", s))
-
-    return SimulationResult(
-        peak_bytes=mem.peak_bytes,
-        peak_phase=mem.peak_at[0],
-        peak_node=mem.peak_at[1],
-        timeline=tuple(mem.timeline),
-    )
 
 
 def _recompute(

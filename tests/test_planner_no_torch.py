@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
 
 import pytest
 
-from graphs import MIB, chain, random_dag
+from graphs import MIB, all_run_sets, chain, random_dag
 from planner import InfeasibleBudgetError, minimum_peak_plan, simulate, solve
 from planner.costgraph import CostGraph, CostNode, Storage
+from planner.keep import keepable_in_segment, segment_with_kept
 from planner.rerun import rerun_cost, rerun_node_names
+from planner.simulate import fits_budget
 from planner.stage_model import build_stage_model
 from planner.stages import build_stages
 
@@ -72,6 +75,24 @@ def test_simulate_temporaries_are_added_where_measured():
         g.storages, g.output_names,
     )
     assert simulate(bigger).peak_bytes == simulate(g).peak_bytes - simulate(g).peak_bytes + (1 + 1 + 10) * MIB
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fits_budget_answers_as_the_full_replay_does(seed):
+    # fits_budget stops its replay at the first moment above the budget; on every plan of
+    # segments (kept outputs included) it must answer as the full replay's peak does, one byte
+    # on either side of that peak included
+    rng = random.Random(seed)
+    g = random_dag(seed, 7)
+    compute = [n.name for n in g.compute_nodes]
+    plans = list(all_run_sets(len(compute)))
+    for runs in rng.sample(plans, min(40, len(plans))):
+        names = [compute[a : b + 1] for a, b in runs]
+        segments = [segment_with_kept(g, seg, set(rng.sample(keepable_in_segment(g, seg), 1)))
+                    if keepable_in_segment(g, seg) and rng.random() < 0.5 else seg for seg in names]
+        peak = simulate(g, segments).peak_bytes
+        for budget in (peak - 1, peak, peak + 1, rng.randrange(peak // 2, 2 * peak)):
+            assert fits_budget(g, segments, budget) == (peak <= budget), (runs, budget, peak)
 
 
 def test_segments_are_validated():
