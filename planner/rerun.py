@@ -211,8 +211,10 @@ class ChainCosts:
         return self._flops_prefix[end] - self._flops_prefix[first] + round(self._flops[end] * self._flops_share[end])
 
 
-def stage_run_costs(graph: CostGraph, stages: Sequence[Stage]) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
-    """Recompute time and FLOPs of every run ``(first_stage, last_stage)`` of ``stages``.
+def stage_run_costs(graph: CostGraph, stages: Sequence[Stage], runs: Iterable[tuple[int, int]] | None = None
+                    ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
+    """Recompute time and FLOPs of every run ``(first_stage, last_stage)`` of ``stages`` (only
+    of ``runs`` where given: a stage model prices its candidate segments, not all pairs).
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -222,6 +224,9 @@ def stage_run_costs(graph: CostGraph, stages: Sequence[Stage]) -> tuple[dict[tup
     """
     costs = ChainCosts(graph, [name for stage in stages for name in stage.node_names])
     first = list(accumulate((len(stage.node_names) for stage in stages), initial=0))
-    runs = [(a, b) for a in range(len(stages)) for b in range(a, len(stages))]
+    if runs is None:
+        runs = [(a, b) for a in range(len(stages)) for b in range(a, len(stages))]
+    else:
+        runs = list(runs)
     return ({(a, b): costs.time_ms(first[a], first[b + 1] - 1) for a, b in runs},
             {(a, b): costs.flops(first[a], first[b + 1] - 1) for a, b in runs})

@@ -165,14 +165,15 @@ def build_stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages:
 
     # gradients of values made before stage j and read after it are held during j's backward
     crossing_grads = [0.0] * k_count
+    last_reader: dict[str, int] = {}
     for node in nodes:
-        if node.name not in differentiable or node.is_alias:
+        for name in node.input_names:
+            last_reader[name] = max(last_reader.get(name, -1), stage_of[node.name])
+    for node in nodes:
+        if node.name not in differentiable or node.is_alias or node.name not in last_reader:
             continue
-        p = stage_of[node.name]
-        readers = [stage_of[u.name] for u in nodes if node.name in u.input_names]
-        if readers:
-            for j in range(p + 1, max(readers)):
-                crossing_grads[j] += node.output_bytes / MIB
+        for j in range(stage_of[node.name] + 1, last_reader[node.name]):
+            crossing_grads[j] += node.output_bytes / MIB
     grads = [g + c for g, c in zip(grads, crossing_grads)]
 
     param_last_stage: dict[int, int] = {}
@@ -210,25 +211,26 @@ def build_stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages:
                 produced_at.setdefault(k, j)
                 holders.setdefault(k, []).append((j, "kept", (j, o)))
     segments: list[tuple[int, int]] = []
+    # recomputed[(a, j)]: what a segment from a holds again by stage j's backward (the storages
+    # it saves through j, made inside it), for each candidate segment's stages
     recomputed: dict[tuple[int, int], float] = {}
     for a in range(k_count):
         seen: set[int] = set()
         fresh = 0.0
-        for j in range(a, k_count):
-            for k in saves[j]:
-                if k not in seen and produced_at[k] >= a:
-                    seen.add(k)
-                    fresh += sizes_b[k].size_bytes / MIB
-            recomputed[(a, j)] = fresh
         inputs: set[int] = set()
         for b in range(a, min(k_count, a + max_segment_stages)):
             if not stages[b].recomputable:
                 break
+            for k in saves[b]:
+                if k not in seen and produced_at[k] >= a:
+                    seen.add(k)
+                    fresh += sizes_b[k].size_bytes / MIB
+            recomputed[(a, b)] = fresh
             segments.append((a, b))
             inputs |= {k for k in reads[b] if produced_at.get(k, a) < a}
             for k in inputs - returned:
                 holders.setdefault(k, []).append((a, "input", (a, b)))
-    run_ms, run_flops = stage_run_costs(graph, stages)
+    run_ms, run_flops = stage_run_costs(graph, stages, segments)
     return StageModel(
         stages=stages,
         base=base_bytes / MIB,
