@@ -56,6 +56,37 @@ def test_same_optimum_as_the_ilp_on_random_graphs(seed, nodes, stages, longest, 
     assert_same_optimum(model, simulate(g).peak_bytes * fraction / MIB)
 
 
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_stage_model_prices_every_candidate_segment_as_computed_directly(seed):
+    """The model prices only its candidate segments (spans of at most ``max_segment_stages``
+    recomputable stages): each at :func:`planner.rerun.rerun_cost` of its nodes, and what it
+    holds again by each of its stages' backward at the bytes saved there by nodes of the
+    segment, made inside it."""
+    from planner.rerun import rerun_cost
+
+    g = random_dag(seed, 10 + seed)
+    stages = build_stages(g, 3 + seed % 5)
+    longest = 1 + seed % 4
+    model = build_stage_model(g, stages, max_segment_stages=longest, selective=seed % 2 == 1)
+    expected = {(a, b) for a in range(len(stages)) for b in range(a, min(len(stages), a + longest))
+                if all(stages[j].recomputable for j in range(a, b + 1))}
+    assert set(model.segments) == expected
+    stage_of = {name: j for j, stage in enumerate(stages) for name in stage.node_names}
+    made_at: dict[int, int] = {}
+    for node in g.nodes:
+        if node.name in stage_of:
+            for k in (*node.output_storages, *node.saved_storages):
+                made_at.setdefault(k, stage_of[node.name])
+    persistent = {st.key for st in g.storages if st.persistent}
+    for a, b in model.segments:
+        names = [name for j in range(a, b + 1) for name in stages[j].node_names]
+        assert (model.run_ms[(a, b)], model.run_flops[(a, b)]) == pytest.approx(rerun_cost(g, names))
+        for j in range(a, b + 1):
+            again = {k for j2 in range(a, j + 1) for name in stages[j2].node_names
+                     for k in g.node(name).saved_storages if k not in persistent and made_at[k] >= a}
+            assert model.recomputed[(a, j)] == pytest.approx(sum(g.storage_by_key[k].size_bytes for k in again) / MIB)
+
 @pytest.mark.parametrize("stage_count,longest", [(32, 32), (64, 8), (128, 4)])
 @pytest.mark.parametrize("fraction", [0.45, 0.7, 0.9])
 def test_same_optimum_as_the_ilp_on_a_gpt2_profile(stage_count, longest, fraction):
