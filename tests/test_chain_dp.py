@@ -57,6 +57,30 @@ def test_same_optimum_as_the_ilp_on_random_graphs(seed, nodes, stages, longest, 
 
 
 
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pruning_keeps_each_label_cheaper_than_every_label_before_it(seed):
+    """The DP's Pareto pruning against its definition, label by label: sorted by (stored MiB,
+    cost, arrival), a label stays when it costs less than every label before it (by more than
+    1e-12). Many equal stored MiB and costs, and costs a hair apart, as the DP's labels have."""
+    import numpy as np
+
+    from planner.chain_dp import _pruned
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 200))
+    stored = rng.integers(0, 20, n) * 0.5 + (rng.random(n) < 0.2) * rng.random(n)
+    cost = rng.integers(0, 10, n) + (rng.random(n) < 0.3) * rng.choice([0.0, 1e-13, 5e-13, 2e-12, 0.3], n)
+    arrival = np.arange(n)
+    expected, cheapest = [], float("inf")
+    for i in sorted(range(n), key=lambda i: (stored[i], cost[i], i)):
+        if cost[i] < cheapest - 1e-12:
+            expected.append(i)
+        cheapest = min(cheapest, cost[i])
+    kept_stored, kept_cost, kept = _pruned(stored, cost, arrival)
+    assert kept.tolist() == expected
+    assert kept_stored.tolist() == stored[expected].tolist() and kept_cost.tolist() == cost[expected].tolist()
+
 @pytest.mark.parametrize("seed", range(8))
 def test_the_stage_model_prices_every_candidate_segment_as_computed_directly(seed):
     """The model prices only its candidate segments (spans of at most ``max_segment_stages``
