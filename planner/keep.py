@@ -27,6 +27,7 @@ Example:
     >>> g = CostGraph(tuple(nodes), (Storage(0, 2**20, True), *(Storage(i, n.output_bytes)
     ...               for i, n in enumerate(nodes) if i)), ("n6",))
     >>> segments = [Segment(("n1", "n2"), 9.0, 0), Segment(("n3", "n4"), 9.0, 0)]
+    >>> from planner.simulate import simulate
     >>> simulate(g).peak_bytes // 2**20, simulate(g, segments).peak_bytes // 2**20
     (21, 19)
     >>> kept = keep_outputs(g, segments, budget_bytes=20 * 2**20)
@@ -44,7 +45,7 @@ from planner.costgraph import CostGraph
 from planner.plan import Segment
 from planner.refine import GUARD_FACTOR, replay_budget
 from planner.rerun import rerun_cost, skipped_node_names
-from planner.simulate import fits_budget, simulate
+from planner.simulate import fits_budget
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
 
