@@ -3,7 +3,7 @@
 ``residual_mlp`` is an 8-block residual MLP; ``gpt2`` a HuggingFace ``GPT2LMHeadModel`` built
 from a config (no download), dropout on, ``use_cache=False``. Every builder returns
 ``(model, example_inputs)`` with the model in training mode; HuggingFace models come from configs
-only (GPT-2, Llama, BERT, T5, Whisper, ViT, ResNet), plus ``torch.nn.Transformer``
+only (GPT-2, Llama, Mistral, BERT, T5, Whisper, ViT, ResNet), plus ``torch.nn.Transformer``
 (``nn_transformer``), a CNN with BatchNorm and skip connections (``cnn``), a model taking
 keyword arguments and returning a dict (``two_tower``) and a GPT-2-XL-sized model on the meta
 device for fake-tensor planning (``gpt2_meta``).
@@ -55,13 +55,13 @@ def residual_mlp(batch: int = 2048, seed: int = 0) -> tuple[nn.Module, tuple[Any
 
 
 def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-         vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
+         vocab: int = 4096, heads: int = 4, attention_dropout: float = 0.1) -> tuple[nn.Module, dict[str, Any]]:
     """A small GPT-2 language model (dropout on) and a batch of token ids with labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
         n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=max(seq_len, 64),
-        bos_token_id=0, eos_token_id=0, use_cache=False,
+        bos_token_id=0, eos_token_id=0, use_cache=False, attn_pdrop=attention_dropout,
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).train()
@@ -70,14 +70,14 @@ def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, wid
 
 
 def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-          vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
+          vocab: int = 4096, heads: int = 4, attention_dropout: float = 0.0) -> tuple[nn.Module, dict[str, Any]]:
     """A small Llama causal language model from a config, with token ids and labels."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         hidden_size=width, intermediate_size=704 * width // 256, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=max(seq_len, 64), use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attention_dropout=attention_dropout,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).train()
@@ -85,14 +85,32 @@ def llama(batch: int = 4, seq_len: int = 256, layers: int = 4, seed: int = 0, wi
     return model, {"input_ids": ids, "labels": ids}
 
 
+def mistral(batch: int = 4, seq_len: int = 256, layers: int = 2, seed: int = 0, width: int = 512,
+            vocab: int = 4096, heads: int = 8, attention_dropout: float = 0.1) -> tuple[nn.Module, dict[str, Any]]:
+    """A small Mistral causal language model (grouped-query attention, sliding window) from a
+    config, with token ids and labels."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        hidden_size=width, intermediate_size=7 * width // 2, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1), vocab_size=vocab, max_position_embeddings=max(seq_len, 64),
+        use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, attention_dropout=attention_dropout,
+    )
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 def bert(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,
-         vocab: int = 4096, heads: int = 4) -> tuple[nn.Module, dict[str, Any]]:
+         vocab: int = 4096, heads: int = 4, attention_dropout: float = 0.1) -> tuple[nn.Module, dict[str, Any]]:
     """A small BERT masked language model from a config (dropout on), with token ids and labels."""
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
         hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers, num_attention_heads=heads,
         vocab_size=vocab, max_position_embeddings=max(seq_len, 64), pad_token_id=0,
+        attention_probs_dropout_prob=attention_dropout,
     )
     torch.manual_seed(seed)
     model = BertForMaskedLM(config).train()

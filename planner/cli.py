@@ -72,7 +72,8 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     model, example_inputs = load_entry_point(args.target)
     opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
-                   exact=args.exact or None, max_solve_s=args.max_solve_s)
+                   exact=args.exact or None, max_solve_s=args.max_solve_s,
+                   simplify_attention_masks=args.simplify_attention_masks)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -85,6 +86,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             "step_ms": plan.step_ms,
             "optimality_gap": plan.optimality_gap,
             "hit_time_limit": plan.hit_time_limit,
+            "computation_changes": list(plan.computation_changes),
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))
     else:
@@ -117,12 +119,14 @@ def _load_target(args: argparse.Namespace, allow_entry_point: bool) -> tuple[str
     return loaded.name, loaded.module, loaded.inputs
 
 
-def _captured(module: Any, inputs: Any) -> Any:
+def _captured(module: Any, inputs: Any, args: argparse.Namespace) -> Any:
     import torch.fx
 
     from profiling.trace import trace_module
 
-    return module if isinstance(module, torch.fx.GraphModule) else trace_module(module, inputs)
+    if isinstance(module, torch.fx.GraphModule):  # a saved program: planned as it was exported
+        return module
+    return trace_module(module, inputs, simplify_attention_masks=args.simplify_attention_masks)
 
 
 def _check_command(args: argparse.Namespace) -> int:
@@ -140,7 +144,7 @@ def _check_command(args: argparse.Namespace) -> int:
             if not args.update:
                 raise
     name, module, inputs = _load_target(args, allow_entry_point=True)
-    graph = profile_graph(_captured(module, inputs), inputs, fake=True)
+    graph = profile_graph(_captured(module, inputs, args), inputs, fake=True)
     budgets = [int(gb * 2**30) for gb in args.budget_gb or []]
     if not budgets and baseline is not None:
         budgets = [p["budget_bytes"] for p in baseline["plans"]]
@@ -179,9 +183,9 @@ def _report_command(args: argparse.Namespace) -> int:
     name, module, inputs = _load_target(args, allow_entry_point=False)
     if args.target_device:
         # fake tensors: nothing allocated, times from the target's roofline
-        graph = profile_graph(_captured(module, inputs), inputs, fake=True, target=args.target_device)
+        graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, target=args.target_device)
     else:
-        graph = profile_graph(_captured(module, inputs), inputs)
+        graph = profile_graph(_captured(module, inputs, args), inputs)
     plan = plan_for_budget(graph, args.budget_gb, max_stages=args.max_stages, exact=args.exact or None,
                            max_solve_s=args.max_solve_s)
     plans = (sweep(graph, points=args.sweep, max_stages=args.max_stages, max_solve_s=args.max_solve_s)
@@ -215,6 +219,10 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_solve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--simplify-attention-masks", action="store_true",
+                        help="pass is_causal instead of a constant causal mask to attention where the model "
+                             "passes the mask: a faster kernel, but other rounding and attention-dropout "
+                             "stream than the model's own (labelled in the output)")
     parser.add_argument("--exact", action="store_true",
                         help="prove the plan the cheapest over its stages or find a cheaper one (slower on "
                              "large graphs; by default it runs under 64 compute nodes, and under 512 where "

@@ -105,6 +105,8 @@ def plan_for_budget(
     if not 0 <= safety_margin < 1:
         raise InputError(f"safety_margin must be in [0, 1), got {safety_margin}")
     planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
+    # set by the profiler from the captured graph: transformations the user asked for by name
+    changes = tuple(graph.metadata.get("computation_changes", ()))
     try:
         graph = shard_parameters(graph, world_size)
     except ValueError as exc:
@@ -118,7 +120,7 @@ def plan_for_budget(
     except InfeasibleBudgetError as exc:
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, safety_margin)) from None
-    return dataclasses.replace(plan, budget_bytes=budget_bytes)
+    return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 
 def optimize(
@@ -139,6 +141,7 @@ def optimize(
     progress: bool = False,
     exact: bool | None = None,
     max_solve_s: float | None = None,
+    simplify_attention_masks: bool = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -185,6 +188,11 @@ def optimize(
             None (default): no bound, so plans do not depend on the machine's speed. The
             chain DP (default ``solver``) makes segments-only solves fast; the bound matters most
             for ``selective=True`` and named MILP solvers (README "Solve time").
+        simplify_attention_masks: pass ``is_causal`` (or no mask) to attention calls whose
+            mask is a constant causal or all-visible mask, where the eager model passes the
+            mask: a faster kernel with other rounding and, with attention dropout, another random
+            stream, so the module no longer computes exactly what ``model`` computes (opt-in;
+            ``plan.computation_changes`` says so). Default: every call as the eager model makes it.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -212,7 +220,8 @@ def optimize(
         check_time_limit(max_solve_s, "max_solve_s")
     check_model_and_inputs(model, example_inputs)
     replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
-                       safety_margin, selective, world_size, cache_dir, progress, exact, max_solve_s)
+                       safety_margin, selective, world_size, cache_dir, progress, exact, max_solve_s,
+                       simplify_attention_masks)
     gm, plan, graph = replan(model, example_inputs)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
@@ -245,6 +254,7 @@ class Replanner:
     progress: bool = False
     exact: bool | None = None
     max_solve_s: float | None = None
+    simplify_attention_masks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -257,7 +267,8 @@ class Replanner:
         from profiling.trace import trace_module
         from rewrite.apply import apply_plan
 
-        gm = trace_module(model, example_inputs, method=self.trace_method)
+        gm = trace_module(model, example_inputs, method=self.trace_method,
+                          simplify_attention_masks=self.simplify_attention_masks)
         if graph is None:
             graph = cached_profile_graph(gm, example_inputs, self.cache_dir, timing_repeats=self.timing_repeats,
                                          progress=self.progress)

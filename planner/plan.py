@@ -67,6 +67,9 @@ class Plan:
     optimality_gap: float | None = None
     #: the solver stopped at its time limit; the plan fits the budget but may cost more
     hit_time_limit: bool = False
+    #: transformations of the captured graph that make it compute other than the user's module
+    #: (each asked for by name, e.g. ``simplify_attention_masks``); empty: the user's computation
+    computation_changes: tuple[str, ...] = ()
 
     @property
     def recompute_ms(self) -> float:
@@ -104,6 +107,7 @@ class Plan:
             f"of the forward)",
             f"solver            {self.solver}, {self.solve_s:.2f} s{self._solver_note()}",
         ]
+        lines.extend(f"computation       CHANGED: {change}" for change in self.computation_changes)
         for k, seg in enumerate(self.segments):
             lines.append(
                 f"  segment {k}: {seg.node_names[0]} .. {seg.node_names[-1]} "

@@ -75,6 +75,7 @@ class Report:
             },
             "plan": _plan_dict(plan) | {
                 "kept_activation_bytes": self.kept_activation_bytes,
+                "computation_changes": list(plan.computation_changes),
                 "segments": [
                     {"first": s.node_names[0], "last": s.node_names[-1], "nodes": len(s.node_names),
                      "recompute_ms": s.recompute_ms, "recompute_flops": s.recompute_flops,
@@ -172,6 +173,7 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["recomputed", f"{len(plan.recomputed_nodes)} nodes in {len(plan.segments)} segments"],
         ["extra time", f"{plan.recompute_ms:.1f} ms per step ({plan.overhead_ratio:.1%} of {plan.step_ms:.1f} ms)"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
+        ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
     ]
     if report.bound is not None:
         summary.append(["least possible extra time", _bound_text(report.bound, plan)])

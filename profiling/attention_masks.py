@@ -1,16 +1,23 @@
-"""Drop attention masks that are constants of the traced shapes, so attention can use its
-fastest kernels.
+"""Attention masks that are constants of the traced shapes, and when they can be dropped.
 
 Under ``torch.export`` HuggingFace models build their causal mask as a tensor (``arange``,
 comparisons, ``expand``) and pass it to ``scaled_dot_product_attention``, where the eager
-model passes no mask and ``is_causal=True``: a traced graph is meant to serve any input, so
-the library does not take the shortcut. An explicit mask keeps CUDA's flash-attention kernel
-out and is one more tensor attention saves for backward. The captured graph here is only
-ever run on inputs of the traced shapes (other shapes are traced and planned again), so a
-mask computed from no input is a constant: it is evaluated once, and where it lets every
-query see every key it is dropped, and where it is exactly the causal (lower-triangular) mask
-it becomes ``is_causal=True``. Masks that depend on an input (a padding ``attention_mask``),
-or hold any other pattern, are left as they are.
+model, on the same inputs, may pass no mask and ``is_causal=True``: a traced graph is meant to
+serve any input, so the library does not take the shortcut while tracing. The two calls are
+different computations: another kernel (on CUDA, flash attention instead of the memory-efficient
+or math kernel), other rounding, another dropout random stream, other saved tensors.
+
+:func:`drop_constant_masks` evaluates each mask computed from no input and drops it where it lets
+every query see every key (no mask) or is exactly the causal mask (``is_causal=True``), for the
+calls its caller allows. :mod:`profiling.eager_attention` allows exactly the calls the eager model
+makes without a mask (the default: the graph computes what the model computes);
+:func:`simplify_constant_attention_masks` allows every call. That is opt-in
+(``optimize(..., simplify_attention_masks=True)``, ``--simplify-attention-masks``): a faster
+attention kernel that changes rounding and, with attention dropout, the random stream, and plans
+built on it say so.
+
+Masks that depend on an input (a padding ``attention_mask``), or hold any other pattern, are
+left as they are.
 
 Example:
     >>> import torch
@@ -30,23 +37,18 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["simplify_constant_attention_masks"]
+__all__ = ["attention_nodes", "named_arguments", "drop_constant_masks", "simplify_constant_attention_masks"]
 
 log = logging.getLogger(__name__)
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _named_arguments(node: torch.fx.Node) -> dict[str, Any]:
-    named = dict(zip(_SDPA_ARGS, node.args))
-    named.update(node.kwargs)
-    return named
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def _ancestors(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> list[torch.fx.Node] | None:
@@ -130,22 +132,41 @@ def _causal_if_constant(gm: torch.fx.GraphModule, ancestry: list[torch.fx.Node],
     return None
 
 
+def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """``gm``'s ``aten.scaled_dot_product_attention`` calls, in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
+
+
+def named_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of an attention call by name (``query`` ... ``enable_gqa``)."""
+    named = dict(zip(SDPA_ARGUMENTS, node.args))
+    named.update(node.kwargs)
+    return named
+
+
 def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
     """Replace constant all-visible attention masks by none, and constant causal masks by
-    ``is_causal=True``, in ``gm``'s ``aten.scaled_dot_product_attention`` calls.
+    ``is_causal=True``, in ``gm``'s ``aten.scaled_dot_product_attention`` calls, whatever the
+    eager model does (opt-in: another kernel, other rounding and dropout stream).
 
     Returns how many calls changed; ``gm`` is changed in place and recompiled, and nodes that
     only computed a dropped mask are removed. A mask shared by several calls (one per layer) is
     evaluated once.
     """
+    return len(drop_constant_masks(gm, lambda node, causal: True))
+
+
+def drop_constant_masks(gm: torch.fx.GraphModule,
+                        allowed: Callable[[torch.fx.Node, bool], bool]) -> set[torch.fx.Node]:
+    """Drop each constant causal (``is_causal=True`` instead) or all-visible (no mask) mask of
+    an attention call for which ``allowed(node, causal)`` is true; returns the calls changed
+    (``gm`` recompiled when any did, the nodes that only computed a dropped mask removed)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     decided: dict[tuple[torch.fx.Node, int, int], tuple[list[torch.fx.Node], bool] | None] = {}
-    changed = 0
+    changed: set[torch.fx.Node] = set()
     candidates: set[torch.fx.Node] = set()
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA:
-            continue
-        named = _named_arguments(node)
+    for node in attention_nodes(gm):
+        named = named_arguments(node)
         mask = named.get("attn_mask")
         query, key = _shape(named.get("query")), _shape(named.get("key"))
         if not isinstance(mask, torch.fx.Node) or named.get("is_causal") or query is None or key is None:
@@ -156,7 +177,7 @@ def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
             causal = None if ancestry is None else _causal_if_constant(gm, ancestry, query[-2], key[-2])
             decided[memo_key] = None if ancestry is None or causal is None else (ancestry, causal)
         decision = decided[memo_key]
-        if decision is None:
+        if decision is None or not allowed(node, decision[1]):
             continue
         ancestry, causal = decision
         named["attn_mask"] = None
@@ -164,7 +185,7 @@ def simplify_constant_attention_masks(gm: torch.fx.GraphModule) -> int:
         node.args = (named.pop("query"), named.pop("key"), named.pop("value"))
         node.kwargs = named
         candidates.update(ancestry)
-        changed += 1
+        changed.add(node)
     if changed:
         for n in reversed(list(gm.graph.nodes)):
             if n in candidates and not n.users:

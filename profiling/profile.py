@@ -433,7 +433,8 @@ def profile_graph(
         segment_overhead_bytes=_rng_state_bytes(device),
         selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
         measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak and not fake else None,
-        metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target},
+        metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
+                  "computation_changes": list(gm.meta.get("computation_changes", ()))},
     )
     log.info("profiled %d nodes, %d storages%s", len(nodes), len(table.storages), " (fake tensors)" if fake else "")
     return graph

@@ -37,6 +37,7 @@ import torch.fx
 
 from planner.errors import TraceError
 from profiling.attention_masks import simplify_constant_attention_masks
+from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
 
 __all__ = ["trace_module", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
@@ -295,7 +296,8 @@ def _hint(exc: BaseException, method: str, source: str = "") -> str:
 
 
 def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "export", *,
-                 recomputable_batch_norm: bool = True, functionalize: bool = True) -> torch.fx.GraphModule:
+                 recomputable_batch_norm: bool = True, functionalize: bool = True,
+                 simplify_attention_masks: bool = False) -> torch.fx.GraphModule:
     """Capture ``model`` called on ``example_inputs`` as a GraphModule.
 
     Args:
@@ -308,6 +310,12 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         functionalize: make in-place ops on activations out-of-place where nothing else sees
             the write (see :func:`functionalize_inplace_activations`), so the ops before them
             stay recomputable.
+        simplify_attention_masks: drop every constant causal or all-visible attention mask
+            (``is_causal`` instead), whatever the eager model passes: a faster kernel that changes
+            rounding and the attention-dropout stream (opt-in; recorded in
+            ``gm.meta["computation_changes"]``). By default a constant mask is dropped only
+            where the eager model itself calls that attention without one
+            (:mod:`profiling.attention_masks`), so the graph computes what the model computes.
 
     Raises:
         TraceError: capture failed; the message names the submodule, the source line and a hint.
@@ -344,11 +352,20 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     _share_parameters(model, gm)
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
     functional = functionalize_inplace_activations(gm) if functionalize and method == "export" else 0
-    masks = simplify_constant_attention_masks(gm) if method == "export" else 0
+    masks, changes = 0, ()
+    if method == "export" and simplify_attention_masks:
+        masks = simplify_constant_attention_masks(gm)
+        if masks:
+            changes = (f"{masks} attention calls use is_causal or no mask instead of their constant mask "
+                       f"(--simplify-attention-masks): another kernel, other rounding and dropout stream",)
+    elif method == "export":
+        masks = match_eager_attention(gm, model, example_inputs)
+    gm.meta["computation_changes"] = changes
     log.info("captured %s with %s: %d nodes%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
              f", {functional} in-place ops on activations made out-of-place" if functional else "",
-             f", {masks} constant attention masks dropped" if masks else "")
+             f", {masks} attention calls {'simplified' if simplify_attention_masks else 'made as the eager model makes them'}"
+             if masks else "")
     return gm
 
 

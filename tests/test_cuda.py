@@ -1,7 +1,7 @@
 """optimize() on a CUDA GPU: budgets met at ``max_memory_allocated``, training unchanged.
 
 These run only where a CUDA device is present (marked ``cuda``; skipped elsewhere, CI has no
-GPU). The README's "Quality on a GPU" section records their last result and the command.
+GPU). docs/benchmarks/quality.md records the GPU quality run and its command.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import cnn, gpt2, residual_mlp
+from models import cnn, gpt2, mistral, residual_mlp
 from planner import optimize
 from profiling import StepInputs, measure_step_peak_bytes
 from profiling.measure import loss_of
@@ -83,3 +83,21 @@ def test_batchnorm_statistics_update_once_per_step_on_cuda():
     assert expected
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], msg=key)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["nothing_recomputed", "half_the_peak"])
+def test_mistral_with_attention_dropout_trains_as_the_eager_model(fraction):
+    """The graph calls attention as the eager model does (same kernel, same dropout stream): a
+    constant causal mask is not swapped for another kernel unless asked for."""
+    model, example = on_device(*mistral(layers=2, width=512, heads=8, batch=4, seq_len=512, attention_dropout=0.1))
+    inputs = StepInputs.from_example(example)
+    peak = measure_step_peak_bytes(model, inputs)
+    ref_loss, ref_grads = loss_and_grads(model, model, inputs, seed=5)
+    opt = optimize(model, example, budget_gb=100.0 if fraction is None else fraction * peak / 2**30)
+    assert bool(opt.plan.segments) == (fraction is not None) and opt.plan.computation_changes == ()
+    if fraction is not None:
+        assert measure_step_peak_bytes(opt, inputs) <= opt.plan.budget_bytes
+    loss, grads = loss_and_grads(opt, model, inputs, seed=5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=1e-8, msg=key)
