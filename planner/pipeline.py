@@ -27,7 +27,7 @@ from planner.costgraph import (
     shard_parameters,
 )
 from planner.plan import GIB, Plan
-from planner.solve import check_time_limit, solve
+from planner.solve import check_max_stages, check_time_limit, solve
 
 __all__ = ["optimize", "plan_for_budget"]
 
@@ -216,6 +216,7 @@ def optimize(
     if reserve_gb:
         _budget_bytes(reserve_gb, "reserve_gb")
     check_time_limit(time_limit_s)
+    check_max_stages(max_stages)
     if max_solve_s is not None:
         check_time_limit(max_solve_s, "max_solve_s")
     check_model_and_inputs(model, example_inputs)

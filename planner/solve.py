@@ -58,7 +58,7 @@ from planner.simulate import simulate
 from planner.stage_model import StageModel, build_stage_model, holder_groups
 from planner.stages import build_stages
 
-__all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit"]
+__all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit", "check_max_stages"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,20 @@ def _cbc(time_limit_s: float) -> pulp.LpSolver:
 
 #: Every solver this module can drive, best first, with what to install when it is missing.
 KNOWN_SOLVERS = {"HiGHS": "pip install highspy", "CBC": "pip install pulp (its wheels bundle CBC)"}
+
+
+def check_max_stages(max_stages: int) -> None:
+    """Raise :class:`InputError` unless ``max_stages`` is a positive integer.
+
+    Example:
+        >>> check_max_stages(32)
+        >>> check_max_stages(0)
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: max_stages must be a positive integer (32 by default), got 0
+    """
+    if isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1:
+        raise InputError(f"max_stages must be a positive integer (32 by default), got {max_stages!r}")
 
 
 def check_time_limit(time_limit_s: float, name: str = "time_limit_s") -> None:
@@ -554,6 +568,7 @@ def minimum_peak_plan(
         True
     """
     check_time_limit(time_limit_s)
+    check_max_stages(max_stages)
     if exact_s is not None:
         check_time_limit(exact_s, "exact_s")
     started = time.perf_counter()
@@ -795,6 +810,7 @@ def solve(
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     check_time_limit(time_limit_s)
+    check_max_stages(max_stages)
     check_time_limit(exact_s, "exact_s")
     if max_solve_s is not None:
         check_time_limit(max_solve_s, "max_solve_s")

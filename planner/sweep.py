@@ -26,9 +26,16 @@ from planner.plan import Plan
 from planner.simulate import simulate
 from planner.solve import minimum_peak_plan, solve
 
-__all__ = ["sweep", "pareto_front"]
+__all__ = ["sweep", "pareto_front", "SWEEP_MAX_SOLVE_S", "SWEEP_TIME_LIMIT_S"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds each budget of a sweep improves its plan for when the caller sets no bound: a sweep is
+#: an overview, and must not take minutes where one plan takes seconds.
+SWEEP_MAX_SOLVE_S = 5.0
+#: Seconds each ILP of a sweep may run (the smallest-peak search's included) when the caller's
+#: limit is longer: one stuck MILP solve must not hold the whole sweep.
+SWEEP_TIME_LIMIT_S = 10.0
 
 
 def sweep(
@@ -49,10 +56,13 @@ def sweep(
     costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
     used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
     ``safety_margin`` below its budget (allocator rounding the profile does not see).
-    ``max_solve_s`` bounds each budget's solve (:func:`planner.solve.solve`).
+    ``max_solve_s`` bounds each budget's solve (:func:`planner.solve.solve`; default
+    :data:`SWEEP_MAX_SOLVE_S`), and each ILP runs for at most :data:`SWEEP_TIME_LIMIT_S`.
     """
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
+    time_limit_s = min(time_limit_s, SWEEP_TIME_LIMIT_S)
+    max_solve_s = SWEEP_MAX_SOLVE_S if max_solve_s is None else max_solve_s
     if budgets_bytes is None:
         if points < 2:
             raise ValueError("points must be at least 2")
@@ -61,6 +71,9 @@ def sweep(
         low = math.ceil(minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
                                           time_limit_s=time_limit_s).predicted_peak_bytes / (1 - safety_margin)) + 2
         high = math.ceil(simulate(graph).peak_bytes / (1 - safety_margin)) + 2
+        if low >= high:
+            log.warning("sweep: no plan peaks below the unoptimized %.1f MiB (nothing in this graph can be "
+                        "recomputed for less memory): one budget", high / 2**20)
         budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
     plans: list[Plan] = []
     for n, budget in enumerate(sorted(budgets_bytes), start=1):
@@ -72,7 +85,7 @@ def sweep(
                 plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))
             plans.append(plan)
         except InfeasibleBudgetError:
-            log.info("budget %d bytes is infeasible; skipped", budget)
+            log.warning("sweep: no plan fits %.1f MiB; that budget is left out", budget / 2**20)
         log.info("sweep: %d/%d budgets solved", n, len(budgets_bytes))
     return plans
 

@@ -37,7 +37,14 @@ import torch.fx
 
 from profiling.measure import loss_of, preserved_state, unflatten_output
 
-__all__ = ["NodeTimes", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda"]
+__all__ = ["NodeTimes", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda", "pass_spread",
+           "TIMING_SPREAD_LIMIT", "MAX_TIMING_PASSES"]
+
+#: Relative spread of the timed passes' forward times ((slowest - fastest) / median) above which
+#: node times count as noisy: more passes are timed, and a spread still above it is reported.
+TIMING_SPREAD_LIMIT = 0.25
+#: Timed passes at most, when the passes' spread stays above :data:`TIMING_SPREAD_LIMIT`.
+MAX_TIMING_PASSES = 9
 
 #: Runs a callable once and returns how long it took, in milliseconds.
 Timer = Callable[[Callable[[], Any]], float]
@@ -53,10 +60,32 @@ def cpu_timer(fn: Callable[[], Any]) -> float:
 @dataclasses.dataclass(frozen=True)
 class NodeTimes:
     """Median forward time of every node, in ms, and for the nodes asked for, the median share
-    of that time spent after the node's last save for backward (0 to 1)."""
+    of that time spent after the node's last save for backward (0 to 1); ``passes`` timed
+    passes whose forward times spread by ``spread`` (:func:`pass_spread`)."""
 
     time_ms: dict[str, float]
     after_last_save_share: dict[str, float]
+    passes: int = 0
+    spread: float = 0.0
+
+
+def pass_spread(totals_ms: list[float]) -> float:
+    """``(slowest - fastest) / median`` of some timings: 0 for steady ones.
+
+    Example:
+        >>> pass_spread([10.0, 11.0, 12.0])
+        0.18181818181818182
+    """
+    if len(totals_ms) < 2:
+        return 0.0
+    median = statistics.median(totals_ms)
+    return (max(totals_ms) - min(totals_ms)) / median if median > 0 else 0.0
+
+
+def _pass_totals(times_ms: dict[str, list[float]]) -> list[float]:
+    """Each timed pass's forward time: the sum of its node times (every node runs once a pass)."""
+    passes = min((len(v) for v in times_ms.values()), default=0)
+    return [sum(v[k] for v in times_ms.values()) for k in range(passes)]
 
 
 def _share(start: float, last_save: float, end: float) -> float:
@@ -115,20 +144,28 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
     pack of a saved tensor; a node that saves nothing gets none).
 
     ``flat_inputs`` are the graph's placeholders in order; ``timer`` measures one call
-    (:func:`cpu_timer`). One untimed step runs first. RNG state, buffers and ``.grad`` of ``gm``
-    are restored afterwards.
+    (:func:`cpu_timer`). One untimed step runs first. While the timed passes' forward times
+    spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy machine), more passes are timed, up
+    to :data:`MAX_TIMING_PASSES`, so the medians do not follow the noise. RNG state, buffers and
+    ``.grad`` of ``gm`` are restored afterwards.
     """
     times_ms: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
+    repeats = max(1, repeats)
     with preserved_state(gm):
-        for timed in [False] + [True] * max(1, repeats):
-            interpreter = _NodeTimer(gm, timer, times_ms if timed else None, split_nodes, shares)
+        warm_up, passes = True, 0
+        while warm_up or passes < repeats or (passes < MAX_TIMING_PASSES
+                                              and pass_spread(_pass_totals(times_ms)) > TIMING_SPREAD_LIMIT):
+            interpreter = _NodeTimer(gm, timer, None if warm_up else times_ms, split_nodes, shares)
             flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)
             loss_of(unflatten_output(gm, flat_out)).backward()
             del flat_out
             for p in gm.parameters():
                 p.grad = None
-    return NodeTimes(_medians(times_ms), _medians(shares))
+            passes += not warm_up
+            warm_up = False
+    totals = _pass_totals(times_ms)
+    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals))
 
 
 def _timing_event() -> torch.cuda.Event:
@@ -218,4 +255,5 @@ def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats
                         total_ms = start.elapsed_time(end)
                         after_ms = recorder.last_saves[name].elapsed_time(end)
                         shares.setdefault(name, []).append(_share(0.0, total_ms - after_ms, total_ms))
-    return NodeTimes(_medians(times_ms), _medians(shares))
+    totals = _pass_totals(times_ms)
+    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals))

@@ -41,7 +41,14 @@ from profiling.measure import (
     run_step,
     unflatten_output,
 )
-from profiling.node_times import Timer, cpu_timer, time_nodes_in_passes, time_nodes_on_cuda
+from profiling.node_times import (
+    TIMING_SPREAD_LIMIT,
+    Timer,
+    cpu_timer,
+    pass_spread,
+    time_nodes_in_passes,
+    time_nodes_on_cuda,
+)
 from profiling.roofline import estimate_ms
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
@@ -400,6 +407,7 @@ def profile_graph(
         forward_peaks, backward_peaks = tracker.forward_peaks(), tracker.backward_peaks()
         _roofline_times(gm, interp, target)
         step_times: list[float] = []
+        timing: dict[str, Any] = {}
     else:
         timer = _timer(device)
         progress_log.info("profiling: timing nodes in %d warm passes", timing_repeats)
@@ -408,6 +416,7 @@ def profile_graph(
                  if rec.get("after_last_save_fraction") is not None and 0.0 < rec["after_last_save_fraction"] < 1.0}
         node_times = (time_nodes_on_cuda(gm, flat, timing_repeats, split_nodes=split) if device.type == "cuda"
                       else time_nodes_in_passes(gm, flat, timing_repeats, timer, split_nodes=split))
+        timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread}
         for name, time_ms in node_times.time_ms.items():
             interp.records[name]["time_ms"] = time_ms
         for name, share in node_times.after_last_save_share.items():
@@ -423,6 +432,8 @@ def profile_graph(
     if tracker is None:
         progress_log.info("profiling: timing %d steps", step_repeats)
         step_times = _step_times_ms(gm, inputs, timer, step_repeats)
+        timing["step_time_spread"] = pass_spread(step_times)
+        _warn_if_noisy(timing)
     graph = CostGraph(
         nodes=nodes,
         storages=tuple(table.storages),
@@ -434,10 +445,21 @@ def profile_graph(
         selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
         measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak and not fake else None,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
-                  "computation_changes": list(gm.meta.get("computation_changes", ()))},
+                  "computation_changes": list(gm.meta.get("computation_changes", ())), **timing},
     )
     log.info("profiled %d nodes, %d storages%s", len(nodes), len(table.storages), " (fake tensors)" if fake else "")
     return graph
+
+
+def _warn_if_noisy(timing: dict[str, Any]) -> None:
+    """One warning when the node passes or the whole steps were timed on a machine too busy for
+    their medians to be trusted: recompute costs, and so plans, may then change between runs."""
+    spread = max(timing["timing_spread"], timing["step_time_spread"])
+    if spread > TIMING_SPREAD_LIMIT:
+        log.warning("timings varied by %.0f%% between passes (%d node passes, the step by %.0f%%): the machine is "
+                    "busy, so recompute costs and the plan may change between runs; profile on a quiet machine "
+                    "or raise timing_repeats", 100 * timing["timing_spread"], timing["timing_passes"],
+                    100 * timing["step_time_spread"])
 
 
 def _step_times_ms(gm: torch.fx.GraphModule, inputs: StepInputs, timer: Timer, repeats: int) -> list[float]:

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.errors import TraceError
+from planner.errors import InputError, TraceError
 from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
 
-__all__ = ["trace_module", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
+__all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
            "increment_buffer", "RUN_ONCE_OPS", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
@@ -366,6 +366,53 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
              f", {functional} in-place ops on activations made out-of-place" if functional else "",
              f", {masks} attention calls {'simplified' if simplify_attention_masks else 'made as the eager model makes them'}"
              if masks else "")
+    return gm
+
+
+def _eval_mode_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """What in ``gm`` only an eval-mode export makes, one phrase per op: ``batch_norm`` reading
+    its running statistics (``training=False``) and ``dropout`` with ``train=False``."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.batch_norm.default and len(node.args) > 5 and node.args[5] is False \
+                and isinstance(node.args[3], torch.fx.Node):
+            found.append("batch_norm reads its running statistics")
+        elif node.target is torch.ops.aten.dropout.default and len(node.args) > 2 and node.args[2] is False:
+            found.append("dropout is off")
+    return found
+
+
+def prepare_saved_program(gm: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
+    """Make a saved ``torch.export`` program's module plannable as :func:`trace_module` makes a
+    captured one: training BatchNorm split into a run-once update and a recomputable
+    normalisation, in-place ops on activations made out-of-place. A program exported in eval
+    mode is refused, since the plan is for a training step.
+
+    Raises:
+        InputError: the program was exported in eval mode.
+
+    Example:
+        >>> bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        >>> program = torch.export.export(bn.train(), (torch.randn(8, 4),), strict=False)
+        >>> gm = prepare_saved_program(program.module(), "bn.pt2")
+        >>> sum(n.name.endswith("update_stats") for n in gm.graph.nodes)
+        1
+        >>> prepare_saved_program(torch.export.export(bn.eval(), (torch.randn(8, 4),), strict=False).module(),
+        ...                       "bn.pt2")
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: bn.pt2 was exported in eval mode (batch_norm reads its running statistics): \
+this tool plans a training step; export the model after model.train()
+    """
+    eval_ops = _eval_mode_ops(gm)
+    if eval_ops:
+        raise InputError(f"{name} was exported in eval mode ({eval_ops[0]}): this tool plans a training step; "
+                         f"export the model after model.train()")
+    split = split_batch_norm_updates(gm)
+    functional = functionalize_inplace_activations(gm)
+    log.info("prepared %s: %d batch_norm running-stat updates split out, %d in-place ops on activations made "
+             "out-of-place", name, split, functional)
+    gm.meta["computation_changes"] = ()
     return gm
 
 

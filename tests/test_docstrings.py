@@ -1,4 +1,5 @@
-"""The examples in the planner's docstrings run and print what they show."""
+"""The examples in the docstrings of the planner, the profiler and the rewrite run and print what
+they show."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import pkgutil
 import pytest
 
 import planner
+import profiling
+import rewrite
 
-MODULES = sorted(info.name for info in pkgutil.iter_modules(planner.__path__))
+MODULES = sorted(f"{package.__name__}.{info.name}" for package in (planner, profiling, rewrite)
+                 for info in pkgutil.iter_modules(package.__path__))
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
-    module = importlib.import_module(f"planner.{name}")
+    module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in planner.{name} failed"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"

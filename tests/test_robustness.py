@@ -1,0 +1,140 @@
+"""Bad options, saved programs and busy machines: a clear error or a stable plan, never a hang
+or a silent wrong answer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+
+import pytest
+import torch
+
+from graphs import MIB, chain
+from models import cnn
+from planner import optimize
+from planner.errors import InputError
+from planner.simulate import simulate
+from planner.solve import minimum_peak_plan, solve
+from planner.sweep import sweep
+from profiling import StepInputs, measure_step_peak_bytes
+from profiling.node_times import MAX_TIMING_PASSES, TIMING_SPREAD_LIMIT, time_nodes_in_passes
+from profiling.profile import profile_graph
+from profiling.trace import prepare_saved_program, trace_module
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail the test instead of hanging when the body runs past ``seconds``."""
+    def stop(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class CountingModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x).relu()
+
+
+@pytest.mark.parametrize("max_stages", [0, -3, True, 2.5])
+def test_a_max_stages_below_one_is_refused_at_once_everywhere(max_stages):
+    graph = chain([4.0] * 12)
+    budget = int(0.6 * simulate(graph).peak_bytes)
+    with within(20):
+        for call in (lambda: solve(graph, budget, max_stages=max_stages),
+                     lambda: minimum_peak_plan(graph, max_stages=max_stages),
+                     lambda: sweep(graph, points=3, max_stages=max_stages)):
+            with pytest.raises(InputError, match="max_stages must be a positive integer"):
+                call()
+        model = CountingModel()
+        with pytest.raises(InputError, match="max_stages"):
+            optimize(model, (torch.randn(2, 4),), budget_gb=1.0, max_stages=max_stages)
+        assert model.calls == 0, "the options are checked before the model runs"
+
+
+def test_one_stage_still_plans():
+    graph = chain([4.0] * 12)
+    budget = int(0.6 * simulate(graph).peak_bytes)
+    assert solve(graph, budget, max_stages=1).predicted_peak_bytes <= budget
+
+
+def _saved_program(model, example, path):
+    torch.export.save(torch.export.export(model, example, strict=False), path)
+    return torch.export.load(path).module()
+
+
+def test_a_saved_training_program_with_batch_norm_plans_like_the_model_itself(tmp_path):
+    model, example = cnn(batch=8, image_size=16, widths=(8, 16))
+    model.train()
+    gm = prepare_saved_program(_saved_program(model, example, tmp_path / "cnn.pt2"), "cnn.pt2")
+    saved = minimum_peak_plan(profile_graph(gm, example, timing_repeats=1))
+    direct = minimum_peak_plan(profile_graph(trace_module(model, example), example, timing_repeats=1))
+    assert saved.predicted_peak_bytes < 0.9 * saved.unoptimized_peak_bytes
+    assert saved.predicted_peak_bytes <= 1.02 * direct.predicted_peak_bytes
+
+
+def test_a_saved_eval_mode_program_is_refused_with_what_to_do(tmp_path):
+    model, example = cnn(batch=8, image_size=16, widths=(8, 16))
+    gm = _saved_program(model.eval(), example, tmp_path / "cnn.pt2")
+    with pytest.raises(InputError, match=r"cnn.pt2 was exported in eval mode .*model\.train\(\)"):
+        prepare_saved_program(gm, "cnn.pt2")
+
+
+def _steady_and_noisy_timers(nodes_per_pass: int):
+    calls = {"steady": 0, "noisy": 0}
+
+    def steady(fn):
+        fn()
+        return 1.0
+
+    def noisy(fn):  # every other pass runs ten times slower, as beside a busy neighbour
+        fn()
+        calls["noisy"] += 1
+        return 10.0 if (calls["noisy"] - 1) // nodes_per_pass % 2 else 1.0
+
+    return steady, noisy
+
+
+def test_noisy_node_timings_take_more_passes_and_report_their_spread():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm = trace_module(model, (x,))
+    timed = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    steady, noisy = _steady_and_noisy_timers(len(timed))
+    calm = time_nodes_in_passes(gm, [x], repeats=3, timer=steady)
+    assert (calm.passes, calm.spread) == (3, 0.0)
+    busy = time_nodes_in_passes(gm, [x], repeats=3, timer=noisy)
+    assert busy.passes == MAX_TIMING_PASSES and busy.spread > TIMING_SPREAD_LIMIT
+    # five fast passes of nine: each node's median is the fast time
+    assert set(busy.time_ms.values()) == {1.0}
+
+
+def test_a_profile_records_how_steady_its_timings_were():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    graph = profile_graph(trace_module(model, (x,)), (x,), timing_repeats=2)
+    assert graph.metadata["timing_passes"] >= 2
+    assert graph.metadata["timing_spread"] >= 0.0 and graph.metadata["step_time_spread"] >= 0.0
+
+
+def test_a_sweep_with_nothing_to_trade_says_so(caplog):
+    graph = chain([4.0] * 6)
+    graph = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, recomputable=False) for n in graph.nodes))
+    with caplog.at_level(logging.WARNING, logger="planner.sweep"):
+        plans = sweep(graph, points=4)
+    assert len(plans) == 1
+    assert "no plan peaks below the unoptimized" in caplog.text
