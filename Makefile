@@ -27,10 +27,10 @@ table: setup
 	$(PY) benchmarks/budget_table.py --csv benchmarks/budget_table.csv
 
 anchors: setup
-	$(PY) benchmarks/anchors.py --readme
+	$(PY) benchmarks/anchors.py --docs
 
 anchors-quick: setup
 	$(PY) benchmarks/anchors.py --quick
 
 quality: setup
-	$(PY) benchmarks/quality.py --readme
+	$(PY) benchmarks/quality.py --docs

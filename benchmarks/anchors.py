@@ -22,11 +22,11 @@ process; CUDA events on a GPU) and, for this planner, its solve time. Methods:
 Writes ``anchors.csv`` (one row per model and method), ``anchors_<model>.png`` (peak memory against
 extra FLOPs and against step time) and ``anchors.md`` (the summary table and, per model and
 anchor, whether the planner at that anchor's peak dominates it) under ``--out`` (default
-``benchmarks/results``; ``benchmarks/results/quick`` with ``--quick``); ``--readme`` also puts
-``anchors.md`` into README.md's "Against the anchors" section.
+``benchmarks/results``; ``benchmarks/results/quick`` with ``--quick``); ``--docs`` also writes
+``anchors.md`` to ``docs/benchmarks/anchors.md``, its plots linked from there.
 
     python benchmarks/anchors.py --quick             # 2 models, compile at 1.0 only, 3 repeats: < 3 min
-    python benchmarks/anchors.py --readme            # 6 models, 3 fractions, 7 repeats: < 30 min
+    python benchmarks/anchors.py --docs              # 6 models, 3 fractions, 7 repeats: < 30 min
     python benchmarks/anchors.py --device cuda       # the same on a GPU
 """
 
@@ -52,8 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from common import (GIB, MIB, ROOT, checkpoint_every_k, find_layers, step_time_ratios, to_device,  # noqa: E402
-                    write_readme_section, benchmark_logging)
+from common import (DOCS_DIR, GIB, MIB, ROOT, add_docs_argument, checkpoint_every_k, find_layers,  # noqa: E402
+                    publish_doc, step_time_ratios, to_device, benchmark_logging)
 from models import ResidualMLP, bert, cnn, gpt2, llama, vit  # noqa: E402
 
 from planner import InfeasibleBudgetError, optimize  # noqa: E402
@@ -94,8 +94,34 @@ QUICK = {"fractions": [], "repeats": 3, "sweep_points": 4}
 EVERY_K = [1, 2]
 COMPILE_DEFAULT_BUDGET = 1.0
 
-README_BEGIN = "<!-- benchmarks/anchors.py --readme: begin -->"
-README_END = "<!-- benchmarks/anchors.py --readme: end -->"
+#: how to read the table, below it on its page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+Six small models built in `benchmarks/anchors.py` (the residual MLP, a BatchNorm CNN, and
+HuggingFace GPT-2, Llama, BERT and ViT from configurations; each step takes about 0.1 s on one
+CPU thread), every method measured the same way: peak training-step memory at the allocator
+(CPU: profiler memory events; CUDA: `max_memory_allocated`), extra FLOPs over the unoptimized
+step (`FlopCounterMode`'s formulas), step time as a ratio to the unoptimized eager step
+(interleaved repeats in one process, median; CUDA events on a GPU). The anchors:
+
+- `every 1`, `every 2`: every (second) repeated layer under non-reentrant
+  `torch.utils.checkpoint`; `every 1` is HuggingFace's `gradient_checkpointing_enable()`.
+  Checkpointing a BatchNorm block this way (the CNN) updates its running statistics twice per
+  step; the planner's plans update them once.
+- `compile b`: `torch.compile` (inductor) with
+  `torch._functorch.config.activation_memory_budget = b`, 1.0 being compile's default;
+  compile time is outside the measurement, and its FLOPs are those of the forward and backward
+  graphs inductor compiles after partitioning. Its step time is also given against compile 1.0.
+
+For each anchor the planner runs with the budget set to the anchor's measured peak ("planner
+peak (budget = anchor peak)"); where no plan reaches it, at its smallest feasible budget
+(marked). A sweep adds plans from the smallest feasible peak to the unoptimized one. The
+planner dominates an anchor when its peak is lower or equal, its extra FLOPs lower or equal
+and its extra step time lower; the notes under the table give the reason where it does not.
+The script also writes `benchmarks/results/anchors.csv` (every row, solve and compile times,
+time-limit flags).
+"""
 
 log = logging.getLogger("anchors")
 
@@ -446,7 +472,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU intra-op threads (default 1: steadier timings on a shared machine)")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results, quick: benchmarks/results/quick)")
-    parser.add_argument("--readme", action="store_true", help="also write anchors.md into README.md's section")
+    add_docs_argument(parser)
     args = parser.parse_args()
     benchmark_logging()
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
@@ -482,10 +508,11 @@ def main() -> None:
     text = markdown(rows, infos, device, mode, fractions, repeats, wall_s)
     (out / "anchors.md").write_text(text)
     print(text)
-    if args.readme:
-        image_dir = os.path.relpath(out.resolve(), ROOT) + "/"
-        write_readme_section(markdown(rows, infos, device, mode, fractions, repeats, wall_s, image_dir), ROOT / "README.md",
-                             README_BEGIN, README_END)
+    if args.docs:
+        image_dir = os.path.relpath(out.resolve(), DOCS_DIR) + "/"
+        publish_doc(markdown(rows, infos, device, mode, fractions, repeats, wall_s, image_dir), "anchors", sys.argv,
+                    title="Against the anchors: checkpoint every k-th layer and torch.compile's memory budget",
+                    about=DOC_ABOUT)
     log.info("wrote %s (%.1f min)", out, (time.perf_counter() - started) / 60)
 
 

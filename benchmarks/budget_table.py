@@ -7,6 +7,7 @@ and whether loss and every gradient are bitwise equal to the unoptimized model's
 
     python benchmarks/budget_table.py            # markdown table on stdout
     python benchmarks/budget_table.py --csv out.csv
+    python benchmarks/budget_table.py --docs     # also docs/benchmarks/budget_table.md
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from common import MIB, step_time_ratios  # noqa: E402
+from common import MIB, add_docs_argument, publish_doc, step_time_ratios, tee_stdout  # noqa: E402
 from models import gpt2, residual_mlp  # noqa: E402
 
 from planner import optimize  # noqa: E402
@@ -30,6 +31,27 @@ from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes  #
 from profiling.measure import loss_of  # noqa: E402
 
 MODELS = {"residual_mlp": residual_mlp, "gpt2_4layer": gpt2}
+
+#: how to read the table, below it on its page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+Models (`examples/models.py`): `residual_mlp`, an 8-block residual MLP (width 256, hidden 1024,
+dropout 0.1, batch 2048), and `gpt2_4layer`, HuggingFace `GPT2LMHeadModel` from a configuration
+(4 layers, width 256, 4 heads, vocab 4096, dropout on, `use_cache=False`, batch 8 x 256).
+Budgets are fractions of the measured unoptimized peak; each is planned with `optimize` at its
+defaults.
+
+- **measured peak**: the optimized step's peak at the allocator (CPU profiler memory events);
+  **predicted peak**: the plan's simulated peak; **error**: predicted over measured, minus 1.
+- **extra FLOPs**: `FlopCounterMode`, optimized step minus unoptimized step (and its share of
+  the unoptimized step). It equals the plan's predicted `recompute_flops` exactly; the
+  end-to-end tests require it.
+- **step time**: ratio to the unoptimized step, interleaved repeats, median. On a shared
+  machine differences of a few percent are noise.
+- **bitwise equal grads**: loss and every gradient bitwise equal to the unoptimized model's,
+  dropout included.
+"""
 
 
 def grads_and_loss(module: torch.nn.Module, owner: torch.nn.Module, inputs: StepInputs, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -59,6 +81,7 @@ def main() -> None:
                         help="let the planner keep outputs inside segments, op by op (optimize(selective=True))")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats")
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
+    add_docs_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -99,15 +122,20 @@ def main() -> None:
     frame = pandas.DataFrame(rows)
     if args.csv:
         frame.to_csv(args.csv, index=False)
-    print("| model | budget | unoptimized peak | measured peak | predicted peak | error | within budget "
-          "| extra FLOPs | step time | bitwise equal grads |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['budget_fraction']:.0%} = {r['budget_mib']:.1f} MiB "
-              f"| {r['unoptimized_peak_mib']:.1f} MiB | {r['measured_peak_mib']:.1f} MiB "
-              f"| {r['predicted_peak_mib']:.1f} MiB | {r['prediction_error']:+.1%} | {'yes' if r['within_budget'] else 'NO'} "
-              f"| {r['extra_flops']:.3g} (+{r['extra_flops_fraction']:.1%}) | {r['step_time_ratio']:.2f}x "
-              f"| {'yes' if r['bitwise_equal'] else 'NO'} |")
+    with tee_stdout() as printed:
+        print("| model | budget | unoptimized peak | measured peak | predicted peak | error | within budget "
+              "| extra FLOPs | step time | bitwise equal grads |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['budget_fraction']:.0%} = {r['budget_mib']:.1f} MiB "
+                  f"| {r['unoptimized_peak_mib']:.1f} MiB | {r['measured_peak_mib']:.1f} MiB "
+                  f"| {r['predicted_peak_mib']:.1f} MiB | {r['prediction_error']:+.1%} "
+                  f"| {'yes' if r['within_budget'] else 'NO'} "
+                  f"| {r['extra_flops']:.3g} (+{r['extra_flops_fraction']:.1%}) | {r['step_time_ratio']:.2f}x "
+                  f"| {'yes' if r['bitwise_equal'] else 'NO'} |")
+    if args.docs:
+        publish_doc(printed.getvalue(), "budget_table", sys.argv,
+                    title="optimize() at 70, 50 and 35 % of the peak", about=DOC_ABOUT)
 
 
 if __name__ == "__main__":

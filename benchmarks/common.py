@@ -1,5 +1,7 @@
 """Helpers the benchmark scripts share: interleaved step timing, checkpoint-every-k-th-layer
-baselines, moving a model and its inputs to a device.
+baselines, moving a model and its inputs to a device, and publishing tables (to the results
+folder, and with ``--docs`` to the script's page under ``docs/benchmarks/``, see
+:mod:`publish`).
 
 Step time is a ratio to a reference step, measured in one process with the modules' steps
 interleaved (each repeat runs every module once, in order) and reported as the median of the
@@ -41,18 +43,24 @@ for _path in (ROOT, ROOT / "examples"):
         sys.path.insert(0, str(_path))
 
 from profiling import StepInputs, run_step  # noqa: E402
+from publish import DOCS_DIR, command_line, publish_doc, tee_stdout  # noqa: E402
 
 __all__ = [
     "MIB",
+    "add_docs_argument",
     "benchmark_logging",
+    "DOCS_DIR",
     "GIB",
     "ROOT",
     "checkpoint_every_k",
+    "command_line",
     "find_layers",
+    "publish_doc",
+    "publish_table",
     "step_seconds",
     "step_time_ratios",
+    "tee_stdout",
     "to_device",
-    "write_readme_section",
 ]
 
 MIB = 2**20
@@ -164,23 +172,20 @@ def to_device(model: torch.nn.Module, example: Any, device: torch.device | str) 
     return model, tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
 
 
-def write_readme_section(text: str, readme: Path, begin: str, end: str) -> None:
-    """Replace what lies between the ``begin`` and ``end`` marker lines of ``readme`` with ``text``
-    (the file is read right before writing)."""
-    content = readme.read_text()
-    if begin not in content or end not in content:
-        raise SystemExit(f"{readme} has no {begin} ... {end} markers")
-    head, rest = content.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{begin}\n{text}{end}{tail}")
-
-
 def add_output_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options every table benchmark takes: ``--threads`` (CPU intra-op threads while
-    profiling), ``--out`` (the results folder) and ``--readme``."""
+    profiling), ``--out`` (the results folder) and ``--docs``."""
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads while profiling")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    add_docs_argument(parser)
+    return parser
+
+
+def add_docs_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--docs``: also write the tables to the script's page under ``docs/benchmarks/``."""
+    parser.add_argument("--docs", action="store_true",
+                        help="also write the tables to the script's page under docs/benchmarks/ "
+                             "(with this command line and today's date)")
     return parser
 
 
@@ -192,14 +197,15 @@ def table_arguments(description: str, models: Sequence[str]) -> argparse.Argumen
     return add_output_arguments(parser)
 
 
-def publish_table(text: str, out_dir: Path, file_name: str, readme_markers: tuple[str, str] | None) -> None:
+def publish_table(text: str, out_dir: Path, file_name: str, doc: dict[str, str] | None = None) -> None:
     """Write a benchmark's markdown ``text`` to ``out_dir / file_name`` and stdout, and, given
-    its README markers (begin, end), into README.md's section between them."""
+    ``doc`` (``name``, ``title`` and ``about`` of :func:`publish.publish_doc`), to the
+    script's page ``docs/benchmarks/<name>.md`` under this process's command line and today's date."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / file_name).write_text(text)
     sys.stdout.write(text)
-    if readme_markers is not None:
-        write_readme_section(text, ROOT / "README.md", *readme_markers)
+    if doc is not None:
+        publish_doc(text, doc["name"], sys.argv, title=doc["title"], about=doc.get("about", ""))
 
 
 def benchmark_logging() -> None:

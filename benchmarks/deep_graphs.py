@@ -8,7 +8,9 @@ first stages, the default before the finer rounds) and with the defaults. The fi
 planner's predictions (recompute time over the profiled step), not measurements: the 4-layer
 quality models and ``benchmarks/finer_rounds.py`` measure plans at the allocator and the clock.
 
-    python benchmarks/deep_graphs.py [--layers 17 34 48 94] [--fractions 0.7 0.5 0.4] [--readme]
+    python benchmarks/deep_graphs.py [--layers 17 34 48 94] [--fractions 0.7 0.5 0.4] [--docs]
+
+``--docs`` also writes the table to ``docs/benchmarks/deep_graphs.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import time
 from pathlib import Path
 
-from common import ROOT, benchmark_logging, publish_table
+from common import ROOT, add_docs_argument, benchmark_logging, publish_table
 from models import gpt2
 
 from planner import simulate
@@ -27,8 +29,21 @@ from profiling import profile_graph, trace_module
 
 log = logging.getLogger("deep_graphs")
 
-README_BEGIN = "<!-- benchmarks/deep_graphs.py --readme: begin -->"
-README_END = "<!-- benchmarks/deep_graphs.py --readme: end -->"
+DOC = {"name": "deep_graphs", "title": "Plan quality on deep graphs (predicted)", "about": """\
+## How to read it
+
+GPT-2-style graphs (HuggingFace `GPT2LMHeadModel`, width 256, batch 4 x 128) of 17 to 94
+layers, captured with `torch.export` and profiled on fake tensors: op times from the roofline,
+no memory allocated. Budgets are fractions of the simulated unoptimized peak. Each cell gives
+the predicted recompute time as a share of the profiled step for two configurations of
+`planner.solve.solve`: "single finer pass (before)" is `finer_rounds=1, short_segments=False`
+(one finer pass on about twice the first stages); the figure after the arrow is the defaults
+(finer rounds, short-segment and finest starts, see
+[How the planner decides](../design.md#how-the-planner-decides)). The figures are
+predictions, not measurements; [finer_rounds.md](finer_rounds.md) measures the same
+comparison at the allocator and the clock. "every peak within its budget" checks each plan's
+simulated peak.
+"""}
 BEFORE = {"finer_rounds": 1, "short_segments": False}
 
 
@@ -71,11 +86,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="*", default=[17, 34, 48, 94])
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7, 0.5, 0.4])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    add_docs_argument(parser)
     args = parser.parse_args()
     benchmark_logging()
-    publish_table(run(args.layers, args.fractions), args.out, "deep_graphs.md",
-                  (README_BEGIN, README_END) if args.readme else None)
+    publish_table(run(args.layers, args.fractions), args.out, "deep_graphs.md", DOC if args.docs else None)
 
 
 if __name__ == "__main__":

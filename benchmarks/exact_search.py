@@ -10,7 +10,9 @@ the default ``exact=None`` (the exact search also runs on graphs under
 profile's summed node times over its profiled step), the budget the first plan left unused,
 and each solve's wall time on this machine.
 
-    python benchmarks/exact_search.py [--models gpt2 llama bert mlp gpt2_768] [--readme]
+    python benchmarks/exact_search.py [--models gpt2 llama bert mlp gpt2_768] [--docs]
+
+``--docs`` also writes the table to ``docs/benchmarks/exact_search.md``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,26 @@ from profiling import StepInputs, measure_step_peak_bytes
 
 log = logging.getLogger("exact_search")
 
-README_BEGIN = "<!-- benchmarks/exact_search.py --readme: begin -->"
-README_END = "<!-- benchmarks/exact_search.py --readme: end -->"
+DOC = {"name": "exact_search", "title": "What the exact search buys", "about": """\
+## How to read it
+
+For each model of the quality benchmark ([quality.md](quality.md)), one fresh profile and two
+targets: checkpoint-every-layer's measured peak and 50 % of the unoptimized peak. At each,
+three plans of whole segments, planned as `optimize` plans them (1 % safety margin):
+
+- `exact=False`: the stage models (chain DP), the finer rounds and the short-segment starts,
+  without the exact search;
+- `default` (`exact=None`): the exact search also runs on graphs under 64 compute nodes, and
+  on graphs under 512 when the first plan leaves more than 1 % of the budget unused or none
+  is found (`EXACT_BY_DEFAULT_BELOW`, `EXACT_WHEN_UNUSED` in
+  [tuning.md](../tuning.md#exact_by_default_below));
+- `exact=True`: the exact search on any graph.
+
+Each cell gives the plan's predicted recompute time over the profiled step and the solve's wall
+time; "refused" means `InfeasibleBudgetError` (the budget is below the smallest peak the
+planner finds), with the time it took to say so. "unused by the ILP's plan" is the share of
+the planning budget (99 % of the budget) the `exact=False` plan leaves free.
+"""}
 MODES = (("exact=False", False), ("default", None), ("exact=True", True))
 SAFETY_MARGIN = 0.01  # optimize's default
 
@@ -119,7 +139,7 @@ def main() -> None:
         for name in args.models:
             rows.extend(run_model(name, cache_dir))
     publish_table(markdown(rows, time.perf_counter() - started), args.out, "exact_search.md",
-                  (README_BEGIN, README_END) if args.readme else None)
+                  DOC if args.docs else None)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the meta device is planned on fake tensors for an 80 GB H100.
 
     python benchmarks/fidelity.py --csv benchmarks/fidelity.csv      # markdown table on stdout
     python benchmarks/fidelity.py --models gpt2 cnn_batchnorm --xl
+    python benchmarks/fidelity.py --xl --docs                          # also docs/benchmarks/fidelity.md
 """
 
 from __future__ import annotations
@@ -33,9 +34,30 @@ import models  # noqa: E402
 from planner import simulate  # noqa: E402
 from planner.pipeline import optimize, plan_for_budget  # noqa: E402
 from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module  # noqa: E402
+from publish import publish_doc, tee_stdout  # noqa: E402
 
 MIB = 2**20
 GIB = 2**30
+
+#: how to read the table, below it on its page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+Every builder of the tracing matrix (`examples/models.py`) at the benchmark's sizes (6 layers,
+width 128 for the transformers; see `MODELS` in `benchmarks/fidelity.py`), on CPU with one
+intra-op thread. "unoptimized predicted" is the simulator's peak on the measured profile;
+"measured (model)" the allocator's peak (CPU profiler memory events) for the user's own
+module, "measured (captured graph)" for the captured graph. The budget is half the measured
+unoptimized peak, planned through `optimize` (the profile read from the cache); "plan
+predicted" and "measured" are the plan's simulated peak and the optimized module's peak at the
+allocator. The last column is the fake-tensor profile's unoptimized prediction (tensor sizes
+and estimated op temporaries, nothing allocated) against the same measurement. Errors are
+predicted over measured, minus 1: positive is over-predicted, the safe side.
+
+With `--xl`, the line above the table plans a GPT-2-XL-sized model (built on the meta device)
+on fake tensors for an 80 GB H100 (a budget of 80e9 bytes, 74.5 GiB; op times from the H100
+roofline, 16 first stages), and reports its wall time and the process's peak resident memory.
+"""
 
 MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
     "gpt2": ("GPT2LMHeadModel, 6 layers, width 128, 4 x 128 tokens",
@@ -140,10 +162,25 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, help="also write the rows to this CSV file")
     parser.add_argument("--xl", action="store_true", help="also plan a GPT-2-XL-sized model on fake tensors")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared machine)")
+    parser.add_argument("--docs", action="store_true",
+                        help="also write the table to docs/benchmarks/fidelity.md (with this command line and date)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
+    with tee_stdout() as printed:
+        rows = table(args)
+    if args.csv and rows:
+        with args.csv.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.docs:
+        publish_doc(printed.getvalue(), "fidelity", sys.argv,
+                    title="Profiler fidelity: predicted against measured peak", about=DOC_ABOUT)
 
+
+def table(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print the XL line (with ``--xl``) and the table; return the table's rows."""
     if args.xl:  # first, so that the process's resident high-water mark is its own
         xl = xl_row()
         print(f"GPT-2-XL-sized ({xl['parameters'] / 1e9:.2f}e9 parameters, {xl['tokens']} tokens, {xl['nodes']} "
@@ -164,11 +201,7 @@ def main() -> None:
               f"| {row['plan_predicted_bytes'] / MIB:.1f} MiB | {row['plan_measured_bytes'] / MIB:.1f} MiB "
               f"| {row['plan_error_pct']:+.2f}% | {row['fake_unopt_predicted_bytes'] / MIB:.1f} MiB "
               f"({row['fake_unopt_error_pct']:+.1f}%) |", flush=True)
-    if args.csv and rows:
-        with args.csv.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    return rows
 
 
 if __name__ == "__main__":

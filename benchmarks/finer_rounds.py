@@ -8,11 +8,12 @@ short-segments start), as ``optimize`` plans (1 % safety margin). Each plan is r
 as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
 process).
 
-    python benchmarks/finer_rounds.py [--layers 12] [--fractions 0.7 0.5 0.3] [--repeats 5] [--readme]
+    python benchmarks/finer_rounds.py [--layers 12] [--fractions 0.7 0.5 0.3] [--repeats 5] [--docs]
 
-With ``--layers`` other than 12 the table goes to ``finer_rounds_<layers>.md`` and to its own
-README section (``--layers 26``: about 1,200 compute nodes, where short segments also start
-from more stages, :func:`planner.solve.short_segment_shapes`).
+``--docs`` also writes the table to ``docs/benchmarks/finer_rounds.md``. With ``--layers`` other
+than 12 the table goes to ``finer_rounds_<layers>.md`` in both places (``--layers 24``: about
+1,000 compute nodes, where short segments also start from more stages,
+:func:`planner.solve.short_segment_shapes`).
 """
 
 from __future__ import annotations
@@ -37,16 +38,26 @@ from rewrite.apply import CheckpointedModule, apply_plan
 
 log = logging.getLogger("finer_rounds")
 
-README_BEGIN = "<!-- benchmarks/finer_rounds.py --readme: begin -->"
-README_END = "<!-- benchmarks/finer_rounds.py --readme: end -->"
+#: how to read the table, below it on its page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+A GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256) profiled once on this CPU. At each
+budget, a fraction of the measured unoptimized peak, two plans as `optimize` makes them (1 %
+safety margin): "one (before)" is `solve(..., finer_rounds=1, short_segments=False)`, a single
+finer pass on about twice the first stages; "2 rounds, short segments (default)" is the
+default solve (finer rounds, short-segment and finest starts, see
+[How the planner decides](../design.md#how-the-planner-decides)). Each plan is run: measured
+peak at the allocator, extra FLOPs (`FlopCounterMode`) over the unoptimized step, and step time
+as a ratio to the unoptimized step (interleaved repeats of the three modules in one process,
+median). "predicted overhead" is the plan's recompute time over the profiled step; "solve" the
+wall time of `solve` alone.
+"""
 
 
-def readme_markers(layers: int) -> tuple[str, str]:
-    """The README section of the table for ``layers`` (the 12-layer default has its own)."""
-    if layers == 12:
-        return README_BEGIN, README_END
-    return (f"<!-- benchmarks/finer_rounds.py --layers {layers} --readme: begin -->",
-            f"<!-- benchmarks/finer_rounds.py --layers {layers} --readme: end -->")
+def doc_name(layers: int) -> str:
+    """The table's file name, without ``.md`` (the 12-layer default has its own)."""
+    return "finer_rounds" if layers == 12 else f"finer_rounds_{layers}"
 
 SAFETY_MARGIN = 0.01
 
@@ -121,9 +132,9 @@ def main() -> None:
     benchmark_logging()
     torch.set_num_threads(args.threads)
     text = run(args.layers, args.fractions, args.repeats)
-    markers = readme_markers(args.layers)
-    publish_table(text, args.out, "finer_rounds.md" if args.layers == 12 else f"finer_rounds_{args.layers}.md",
-                  markers if args.readme else None)
+    name = doc_name(args.layers)
+    doc = {"name": name, "title": f"Finer rounds, measured on a {args.layers}-layer GPT-2", "about": DOC_ABOUT}
+    publish_table(text, args.out, f"{name}.md", doc if args.docs else None)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ the bound. At every-layer's peak the verdict also gives the bound as a share
 of every-layer's recompute in the same time (the forward time of the layers' nodes): above 60 %
 the time bar is out of reach of any plan by the simulator's account.
 
-    python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--readme]
-    python benchmarks/quality.py --device cuda [--readme]   # on a GPU: the *_gpu models, CUDA events
+    python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--docs]
+    python benchmarks/quality.py --device cuda [--docs]     # on a GPU: the *_gpu models, CUDA events
     python benchmarks/quality.py --exact [--models mlp]     # plans with exact=True, to quality_exact.*
+
+``--docs`` also writes the table to ``docs/benchmarks/quality.md`` (``quality_cuda.md`` on a GPU,
+``*_exact.md`` with ``--exact``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,8 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-from common import (GIB, MIB, ROOT, benchmark_logging, checkpoint_every_k, find_layers, step_time_ratios,
-                    to_device, write_readme_section)
+from common import (GIB, MIB, ROOT, add_docs_argument, benchmark_logging, checkpoint_every_k, find_layers,
+                    publish_doc, step_time_ratios, to_device)
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
@@ -66,10 +70,36 @@ GPU_MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
                 lambda: residual_mlp(batch=65536)),
 }
 ALL_MODELS = {**MODELS, **GPU_MODELS}
-README_BEGIN = "<!-- benchmarks/quality.py --readme: begin -->"
-README_END = "<!-- benchmarks/quality.py --readme: end -->"
-GPU_README_BEGIN = "<!-- benchmarks/quality.py --device cuda --readme: begin -->"
-GPU_README_END = "<!-- benchmarks/quality.py --device cuda --readme: end -->"
+#: how to read the table, below it on its page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+For each model: the unoptimized step (`none`); checkpoint-every-layer (`every layer`: each
+repeated layer under non-reentrant `torch.utils.checkpoint`, what HuggingFace's
+`gradient_checkpointing_enable()` does); and `optimize` with segments only (`planner`) and with
+`selective=True` (`planner, selective`: outputs kept op by op), with the budget at
+every-layer's measured peak and at 50 % of the unoptimized peak. A budget below every plan the
+planner finds is planned at the smallest feasible budget instead, marked "smallest feasible".
+
+- **measured peak**: peak training-step memory at the allocator (CPU: profiler memory events;
+  CUDA: `max_memory_allocated`), with its fraction of the unoptimized peak in parentheses.
+- **extra FLOPs**: `FlopCounterMode`, optimized step minus unoptimized step, over the
+  unoptimized step.
+- **step time**: ratio to the unoptimized step, interleaved repeats in one process, median
+  (CUDA events on a GPU). On a shared machine differences of a few percent are noise.
+- **predicted overhead**: the plan's predicted recompute time over the profiled step (the
+  profile's summed node times).
+- **lower bound**: the covering bound of `planner/bounds.py` at that budget, in the same terms:
+  no plan, kept outputs included, predicts less. [reach.md](reach.md) gives tighter bounds.
+- **verdict**: the bars. At every-layer's peak, extra step time at most 60 % of every-layer's
+  and extra FLOPs at most 70 % of every-layer's; at 50 %, extra step time at most 10 %. At
+  every-layer's peak the verdict also gives the lower bound as a share of every-layer's own
+  recompute time: above 60 %, no plan meets the time bar by the profile's account.
+
+The `every layer` rows stand for HuggingFace's one line: on the CPU table's GPT-2, Llama and
+BERT configurations the two peak at the same byte (`tests/test_benchmark_helpers.py` checks the
+peaks on small configurations).
+"""
 
 
 @dataclasses.dataclass
@@ -203,12 +233,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: steadier timings)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--readme", action="store_true", help="also write the table into README.md's section")
+    add_docs_argument(parser)
     parser.add_argument("--exact", action="store_true",
-                        help="plan with optimize(..., exact=True); written to quality[_cuda]_exact.*, not the README")
+                        help="plan with optimize(..., exact=True); written to quality[_cuda]_exact.*")
     args = parser.parse_args()
-    if args.exact and args.readme:
-        parser.error("--exact writes its own files; the README's table is the default planner's")
     benchmark_logging()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -234,9 +262,10 @@ def main() -> None:
     text = markdown(results, args.repeats, where + (", exact=True" if args.exact else ""), time.perf_counter() - started)
     (args.out / f"{stem}.md").write_text(text)
     print(text)
-    if args.readme:
-        begin, end = (README_BEGIN, README_END) if device.type == "cpu" else (GPU_README_BEGIN, GPU_README_END)
-        write_readme_section(text, ROOT / "README.md", begin, end)
+    if args.docs:
+        title = ("Quality on CPU" if device.type == "cpu" else "Quality on a GPU") + (
+            ", exact=True" if args.exact else "") + ": at checkpoint-every-layer's peak and at half the peak"
+        publish_doc(text, stem, sys.argv, title=title, about=DOC_ABOUT)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,15 @@ more. Bars in the profile's terms:
 
 A bound above the bar means no plan the planner can emit meets it by the profile's account:
 the node times, which the recompute benchmark matches within a few percent, and the
-simulator's memory, which matches the allocator within 2 % (README); a bound over whole
+simulator's memory, which matches the allocator within 2 % (docs/memory.md); a bound over whole
 segments above it, that no plan of the default (``selective=False``) does. ``--segments-only``
 makes the second bound cover plans of whole segments alone too.
 
     python benchmarks/reach.py [--models gpt2 llama bert mlp gpt2_768] [--time-limit-s 90] [--no-presolve]
-                               [--segments-only] [--readme]
+                               [--segments-only] [--docs]
+
+``--docs`` also writes the table to ``docs/benchmarks/reach.md`` (``reach_segments_only.md``
+with ``--segments-only``).
 """
 
 from __future__ import annotations
@@ -50,8 +53,47 @@ from profiling import StepInputs, measure_step_peak_bytes
 
 log = logging.getLogger("reach")
 
-README_BEGIN = "<!-- benchmarks/reach.py --readme: begin -->"
-README_END = "<!-- benchmarks/reach.py --readme: end -->"
+#: how to read the tables, below them on their page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+For each model of the quality benchmark ([quality.md](quality.md)): one fresh profile, the
+budgets measured at the allocator (checkpoint-every-layer's peak, and half the unoptimized
+peak), the planner's plans at them and proven lower bounds on the recompute of every plan that
+fits, all in the profile's terms (summed node times over the profiled step; FLOPs as
+`FlopCounterMode` counts them). Every-layer's own recompute is priced on the same profile
+(`planner.rerun`, its layers' nodes as segments).
+
+A bound is the largest of three, each at most the recompute of the cheapest plan that fits:
+
+- **the covering bound** (`planner/bounds.py`): one binary per node ("runs again in a
+  recompute") and one covering constraint per moment over the budget; seconds at most;
+- **the segment covering bound** (`planner/segment_covering.py`): the covering bound plus
+  segment breaks, so it knows that a recompute restores what its segment saved while its
+  backward runs; tighter over plans of whole segments, at minutes of HiGHS;
+- **the account** (`planner/reach.py`): the exact search's optimistic memory account with every
+  compute node as its own stage, and by default a keep decision per node
+  (`planner/kept_account.py`); HiGHS's best bound within the time limit, or CBC's LP
+  relaxation. An infeasible account proves that no plan fits.
+
+"bound, whole segments" covers plans of whole segments (the default, `selective=False`); "bound,
+any plan" covers kept outputs too (`selective=True`); with `--segments-only` the one "bound"
+column is the account over plans of whole segments alone. "plan / its bound" brackets how far the
+default plan can be from the cheapest one. A bar is **out of reach** when the bound exceeds it:
+then no plan meets it by the profile's account, whose node times match measured recompute
+within a few percent ([recompute_time.md](recompute_time.md)) and whose memory matches the
+allocator ([fidelity.md](fidelity.md)). "not excluded" means the bound does not rule the bar
+out; it does not mean a plan meets it. "how the time bounds were proven" names, for each of the
+two bounds, which bound decided and how its solve ended.
+"""
+
+
+def doc(segments_only: bool) -> dict[str, str]:
+    """The page the tables go to with ``--docs``."""
+    if segments_only:
+        return {"name": "reach_segments_only", "about": DOC_ABOUT,
+                "title": "Which bars any plan of whole segments can meet: the account over whole segments"}
+    return {"name": "reach", "title": "Which bars any plan can meet: proven lower bounds", "about": DOC_ABOUT}
 
 
 @dataclasses.dataclass
@@ -214,7 +256,7 @@ def main() -> None:
     text = markdown(rows, args.time_limit_s, time.perf_counter() - started, presolve=not args.no_presolve,
                     kept_outputs=not args.segments_only)
     publish_table(text, args.out, "reach_segments_only.md" if args.segments_only else "reach.md",
-                  (README_BEGIN, README_END) if args.readme else None)
+                  doc(args.segments_only) if args.docs else None)
 
 
 if __name__ == "__main__":

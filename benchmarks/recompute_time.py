@@ -8,7 +8,9 @@ save). Reported per segment: the median measured forward and recompute times aga
 profile's (the summed node times, and ``Segment.recompute_ms``), then the totals and the
 step-time ratio to the unoptimized model (interleaved repeats, median). CPU only.
 
-    python benchmarks/recompute_time.py [--models gpt2 mlp] [--fraction 0.5] [--selective] [--repeats 7]
+    python benchmarks/recompute_time.py [--models gpt2 mlp] [--fraction 0.5] [--selective] [--repeats 7] [--docs]
+
+``--docs`` also writes the tables to ``docs/benchmarks/recompute_time.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,11 +26,27 @@ from typing import Any
 
 import torch
 
-from common import GIB, benchmark_logging
+from common import GIB, add_docs_argument, benchmark_logging, publish_doc, tee_stdout
 from planner import optimize
 from profiling import StepInputs, measure_step_peak_bytes, run_step
 from quality import MODELS
 from rewrite.apply import CheckpointedSegment
+
+#: how to read the tables, below them on their page under docs/benchmarks/
+DOC_ABOUT = """\
+## How to read it
+
+Each model of the quality benchmark ([quality.md](quality.md)) planned at a fraction of its
+measured unoptimized peak (segments only unless `--selective`), then trained for a few steps
+with every checkpointed segment's calls timed by the wall clock: the forward call, and the
+recompute that non-reentrant checkpoint makes inside the backward (which stops at the
+segment's last saved tensor, see [Recompute cost](../design.md#recompute-cost)). Each segment's
+median is set against the profile's prediction (its summed node times, and
+`Segment.recompute_ms`). The totals give the measured recompute against the predicted one, and
+the step time as a ratio to the unoptimized model (interleaved repeats, median, one thread).
+The step's extra time beyond the measured recompute is checkpoint's own cost (saving RNG
+state, hooks, allocations) and noise.
+"""
 
 #: (segment, "forward" or "recompute", seconds) of every timed segment call
 Calls = list[tuple[CheckpointedSegment, str, float]]
@@ -110,15 +129,20 @@ def main() -> None:
     parser.add_argument("--selective", action="store_true", help="plan with selective=True")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    add_docs_argument(parser)
     args = parser.parse_args()
     benchmark_logging()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="recompute-time-") as cache_dir:
         texts = [run_model(name, args.fraction, args.selective, args.repeats, cache_dir) for name in args.models]
-    print(f"CPU, {args.threads} thread(s), torch {torch.__version__}, {args.repeats} interleaved repeats, "
-          f"wall time {time.perf_counter() - started:.0f} s.\n")
-    print("\n".join(texts))
+    with tee_stdout() as printed:
+        print(f"CPU, {args.threads} thread(s), torch {torch.__version__}, {args.repeats} interleaved repeats, "
+              f"wall time {time.perf_counter() - started:.0f} s.\n")
+        print("\n".join(texts))
+    if args.docs:
+        publish_doc(printed.getvalue(), "recompute_time", sys.argv, title="Recompute time, segment by segment",
+                    about=DOC_ABOUT)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,7 @@ from planner.errors import PlannerError
 __all__ = [
     "StepInputs",
     "allocation_events",
+    "memory_profile",
     "device_of",
     "loss_of",
     "run_step",
@@ -149,6 +152,42 @@ def device_of(module: torch.nn.Module, inputs: StepInputs) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to the null device: the profiler's C++ side prints a line to it
+    on every start and stop (``USDT: ... profiler_start``), which no setting turns off."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextlib.contextmanager
+def memory_profile() -> Iterator[torch.profiler.profile]:
+    """A CPU ``torch.profiler`` session that records every allocation and free, started and
+    stopped without the profiler's own lines on stderr.
+
+    Example:
+        >>> with memory_profile() as prof:
+        ...     x = torch.ones(1024)
+        >>> sum(delta for _, delta in allocation_events(prof))
+        4096
+    """
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _stderr_silenced():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _stderr_silenced():
+            prof.stop()
+
+
 def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
     """Peak bytes of one forward plus backward, measured at the allocator.
 
@@ -172,8 +211,7 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
             del output
             torch.cuda.synchronize(device)
             return baseline + int(torch.cuda.max_memory_allocated(device)) - allocated_before
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        with memory_profile() as prof:
             output = run_step(module, inputs)
             del output
         return baseline + _running_peak_bytes(prof)
@@ -190,8 +228,7 @@ def allocation_events(prof: torch.profiler.profile, device_type: str = "cpu") ->
     free of memory this window never held and lower its running sum.
 
     Example:
-        >>> with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-        ...                             profile_memory=True) as prof:
+        >>> with memory_profile() as prof:
         ...     x = torch.ones(1024)
         >>> sum(delta for _, delta in allocation_events(prof))
         4096

@@ -34,7 +34,15 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiling.measure import StepInputs, allocation_events, device_of, loss_of, preserved_state, unflatten_output
+from profiling.measure import (
+    StepInputs,
+    allocation_events,
+    device_of,
+    loss_of,
+    memory_profile,
+    preserved_state,
+    unflatten_output,
+)
 
 __all__ = ["measure_node_peaks", "FakeAllocationTracker"]
 
@@ -62,9 +70,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[di
     from profiling.profile import flat_graph_inputs
 
     flat = flat_graph_inputs(gm, inputs)
-    with preserved_state(gm), torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
+    with preserved_state(gm), memory_profile() as prof:
         flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)
         output = unflatten_output(gm, flat_out)
         loss_of(output).backward()

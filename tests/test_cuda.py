@@ -1,7 +1,8 @@
 """optimize() on a CUDA GPU: budgets met at ``max_memory_allocated``, training unchanged.
 
 These run only where a CUDA device is present (marked ``cuda``; skipped elsewhere, CI has no
-GPU). docs/benchmarks/quality.md records the GPU quality run and its command.
+GPU). docs/correctness.md says what they check; docs/benchmarks/quality_cuda.md records the GPU
+quality run and its command.
 """
 
 from __future__ import annotations

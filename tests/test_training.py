@@ -1,10 +1,10 @@
 """The optimized module in real training: every case compares with the unoptimized model.
 
-Each test guards one way checkpointing is known to break training (see the README section
-"Training correctness"): random ops drawing fresh numbers on recompute, buffer mutations
-running twice, in-place ops and views, tied weights, other input shapes, inference paying
-for recompute, autocast dtypes, gradient accumulation, torch.compile, state_dict and
-deepcopy. Gradients are compared bitwise (CPU); peaks are measured at the allocator.
+Each test guards one way checkpointing is known to break training (see docs/correctness.md):
+random ops drawing fresh numbers on recompute, buffer mutations running twice, in-place ops
+and views, tied weights, other input shapes, inference paying for recompute, autocast dtypes,
+gradient accumulation, torch.compile, state_dict and deepcopy. Gradients are compared bitwise
+(CPU); peaks are measured at the allocator.
 """
 
 from __future__ import annotations
