@@ -53,12 +53,12 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.costgraph import CostGraph, CostNode
+from planner.costgraph import MIB, CostGraph, CostNode
 from planner.errors import InputError
 from planner.highs import HighsOverrunError, PlannerHiGHS
+from planner.milp import MIP_GAP, available_solvers, solved_lp_relaxation
 from planner.rerun import after_last_save_fraction, after_last_save_time_fraction
 from planner.simulate import SimulationResult, simulate
-from planner.solve import MIP_GAP, available_solvers, solved_lp_relaxation
 
 __all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost",
            "lp_relaxation_bound", "milp_dual_bound", "proven_bound", "recompute_lower_bound_ms",
@@ -67,7 +67,6 @@ __all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("time", "flops")
-MIB = float(2**20)
 
 
 @dataclass(frozen=True)

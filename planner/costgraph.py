@@ -31,9 +31,11 @@ from planner.replay_facts import ReplayFacts, replay_facts
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
-__all__ = ["Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads",
+__all__ = ["MIB", "Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads",
            "protect_reads_before_writes"]
 
+#: Bytes in a mebibyte: the unit of the stage models' memory account and of log lines.
+MIB = float(2**20)
 #: ``compute`` nodes run an op; the others hold step-long tensors.
 NODE_KINDS = ("compute", "input", "param", "buffer", "constant")
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError"]
+__all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError",
+           "check_max_stages", "check_time_limit"]
 
 
 class PlannerError(Exception):
@@ -51,3 +52,32 @@ class ProfileError(PlannerError):
 
 class SolverError(PlannerError):
     """The integer linear program could not be solved (solver missing, crashed or timed out)."""
+
+
+def check_max_stages(max_stages: int) -> None:
+    """Raise :class:`InputError` unless ``max_stages`` is a positive integer.
+
+    Example:
+        >>> check_max_stages(32)
+        >>> check_max_stages(0)
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: max_stages must be a positive integer (32 by default), got 0
+    """
+    if isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1:
+        raise InputError(f"max_stages must be a positive integer (32 by default), got {max_stages!r}")
+
+
+def check_time_limit(time_limit_s: float, name: str = "time_limit_s") -> None:
+    """Raise :class:`InputError` unless ``time_limit_s`` is a positive, finite number of seconds.
+
+    Example:
+        >>> check_time_limit(10.0)
+        >>> check_time_limit(0, "max_solve_s")
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: max_solve_s must be a positive number of seconds, got 0
+    """
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0 \
+            or not math.isfinite(time_limit_s):
+        raise InputError(f"{name} must be a positive number of seconds, got {time_limit_s!r}")

@@ -168,7 +168,7 @@ def optimize(
             by measured time per byte held (:mod:`planner.keep`), in segments where keeping
             saves more than the policy's own per-node cost (measured by the profiler). Fewer
             recomputed FLOPs; slower to plan (a second ILP for the smallest-peak segments); see
-            the README for what it measured.
+            docs/benchmarks/selective_cost.md for what it measured.
         world_size: plan the per-rank peak with parameters and their gradients sharded over this
             many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
         cache_dir: a folder for profiles (JSON, keyed by a fingerprint of the graph, input shapes,
@@ -181,13 +181,13 @@ def optimize(
             nodes, where it is fast, and on graphs under 512 where the ILP's plan leaves more
             than 1 % of the budget unused (up to 30 s; 14 to 22 % less recompute on the quality
             models where it ran); True: always, which on a real model whose ILP plan fills the
-            budget costs up to 2x the solve time and rarely finds a cheaper plan (README).
+            budget costs up to 2x the solve time and rarely finds a cheaper plan (docs/benchmarks/exact_search.md).
         max_solve_s: stop improving the plan after this many seconds of solving and return the
             cheapest found by then (``plan.hit_time_limit`` says it was cut). The first ILP, and
             the search for the smallest budget when none fits, still run to ``time_limit_s``.
             None (default): no bound, so plans do not depend on the machine's speed. The
             chain DP (default ``solver``) makes segments-only solves fast; the bound matters most
-            for ``selective=True`` and named MILP solvers (README "Solve time").
+            for ``selective=True`` and named MILP solvers (docs/benchmarks/solve_time.md).
         simplify_attention_masks: pass ``is_causal`` (or no mask) to attention calls whose
             mask is a constant causal or all-visible mask, where the eager model passes the
             mask: a faster kernel with other rounding and, with attention dropout, another random

@@ -20,7 +20,7 @@ segment, so such a plan may cost less than the best plan of whole segments.
 The bound holds for plans priced as :mod:`planner.rerun` and :func:`planner.keep.segment_with_kept`
 price them, in the profile's node times (time, with the selective policy's cost) or
 ``FlopCounterMode``'s FLOPs (flops), and measured against the simulator's memory account
-(which the README validates against the allocator).
+(validated against the allocator: docs/memory.md#prediction).
 
 Example:
     >>> from planner.costgraph import CostGraph, CostNode, Storage
@@ -60,7 +60,7 @@ from planner.kept_account import KeptOutputsAccount
 from planner.relaxation import OptimisticAccount
 from planner.segment_covering import segment_covering_bound
 from planner.simulate import simulate
-from planner.solve import available_solvers
+from planner.milp import available_solvers
 from planner.stages import build_stages
 
 __all__ = ["RecomputeBound", "recompute_bound"]

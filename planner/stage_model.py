@@ -1,4 +1,4 @@
-"""The numbers of the stage ILP's linear memory account (:mod:`planner.solve`), in MiB, and
+"""The numbers of the stage ILP's linear memory account (:mod:`planner.milp`), in MiB, and
 its recompute times in ms: what each stage saves, reads and holds, which segments are
 candidates, and, for a selective model, which outputs each stage may keep.
 
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.costgraph import CostGraph
+from planner.costgraph import MIB, CostGraph
 from planner.keep import keepable_in_segment, kept_storages, policy_ms
 from planner.rerun import stage_run_costs
 from planner.stages import Stage
 
 __all__ = ["KeepOption", "StageModel", "build_stage_model", "holder_groups"]
-
-MIB = float(2**20)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from planner.stage_model import build_stage_model
 from planner.stages import build_stages
 
 solve_module = importlib.import_module("planner.solve")
+stage_plans_module = importlib.import_module("planner.stage_plans")
 
 
 def objective(model, chosen, keeps=()):
@@ -133,7 +134,7 @@ def test_too_many_labels_stops_the_search_and_the_solve_uses_the_ilp(monkeypatch
     def too_large(model, budget_mib):
         raise ChainSearchTooLarge("more than 0 labels")
 
-    monkeypatch.setattr(solve_module, "cheapest_plan", too_large)
+    monkeypatch.setattr(stage_plans_module, "cheapest_plan", too_large)
     budget = (minimum_peak_plan(g).predicted_peak_bytes + simulate(g).peak_bytes) // 2
     with caplog.at_level(logging.INFO, logger="planner.solve"):
         plan = solve(g, budget, exact=False, refine_s=0, finer_rounds=0)

@@ -22,7 +22,7 @@ import pytest
 
 from planner.highs import HighsOverrunError, PlannerHiGHS
 
-solve_module = importlib.import_module("planner.solve")
+solve_module = importlib.import_module("planner.milp")
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
 

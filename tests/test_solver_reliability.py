@@ -24,6 +24,9 @@ from planner.stages import build_stages
 
 # ``planner.solve`` the attribute is the function; the module is reached by its import name
 solve_module = importlib.import_module("planner.solve")
+milp_module = importlib.import_module("planner.milp")
+stage_plans_module = importlib.import_module("planner.stage_plans")
+smallest_peak_module = importlib.import_module("planner.smallest_peak")
 refine_module = importlib.import_module("planner.refine")
 pipeline_module = importlib.import_module("planner.pipeline")
 
@@ -86,7 +89,7 @@ def test_unknown_solver_names_the_choices():
 def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(monkeypatch, caplog):
     if "CBC" not in solve_module.available_solvers():
         pytest.skip("CBC is not installed here")  # pragma: no cover - PuLP's wheels bundle it
-    monkeypatch.setattr(solve_module, "available_solvers", lambda: ["CBC"])
+    monkeypatch.setattr(milp_module, "available_solvers", lambda: ["CBC"])
     g = chain([4, 4, 4, 4, 4, 4])
     budget = int(simulate(g).peak_bytes * 0.8)
     with caplog.at_level(logging.WARNING, logger="planner.solve"):
@@ -96,7 +99,7 @@ def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(
 
 
 def test_no_solver_at_all_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(solve_module, "available_solvers", lambda: [])
+    monkeypatch.setattr(milp_module, "available_solvers", lambda: [])
     g = chain([4, 4, 4, 4])
     with pytest.raises(SolverError, match="no MILP solver is available: pip install highspy"):
         solve(g, int(simulate(g).peak_bytes * 0.8))
@@ -111,7 +114,7 @@ def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
         def actualSolve(self, lp):  # noqa: N802 - PuLP's name
             raise pulp.PulpSolverError("cannot execute solver binary")
 
-    monkeypatch.setattr(solve_module, "_solver_named",
+    monkeypatch.setattr(milp_module, "_solver_named",
                         lambda name, t, presolve=True, node_limit=None:
                         BrokenBinary() if name == "HiGHS" else real(name, t, presolve, node_limit))
     g = chain([4, 4, 4, 4, 4, 4])
@@ -180,7 +183,7 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
         prob.sol_status = pulp.LpSolutionIntegerFeasible
         return used
 
-    monkeypatch.setattr(solve_module, "_run_solver", stopped_at_limit)
+    monkeypatch.setattr(milp_module, "_run_solver", stopped_at_limit)
     g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = (floor + simulate(g).peak_bytes) // 2
@@ -244,6 +247,7 @@ def test_an_infeasible_budget_bisects_only_above_what_the_exact_search_proved(mo
         return real_search(graph, stages, budget_bytes, *args, **kwargs)
 
     monkeypatch.setattr(solve_module, "search_cheapest", recording_search)
+    monkeypatch.setattr(smallest_peak_module, "search_cheapest", recording_search)
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(g, budget, exact_s=5.0)
     assert info.value.min_feasible_bytes == floor
@@ -599,7 +603,7 @@ def test_the_finest_start_spans_more_stages_on_smaller_graphs(monkeypatch):
     g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
     budget = int(simulate(g).peak_bytes * 0.45)
     longer = solve(g, budget, exact=False)
-    monkeypatch.setattr(solve_module, "FINEST_SPAN_PAIRS", 0)
+    monkeypatch.setattr(stage_plans_module, "FINEST_SPAN_PAIRS", 0)
     assert shapes(222, finest=True) == [(222, 10)]
     spans_of_ten = solve(g, budget, exact=False)
     assert longer.recompute_ms < spans_of_ten.recompute_ms
@@ -760,7 +764,7 @@ def test_raised_targets_bisect_into_a_narrow_window_where_plans_fit(monkeypatch)
     assert raised is not None
     assert raised.predicted_peak_bytes == simulate(g, [s.node_names for s in raised.segments]).peak_bytes <= budget
     assert solve(g, budget).recompute_ms <= solve(g, int(91_656_264 * 1.005)).recompute_ms + 1e-9
-    monkeypatch.setattr(solve_module, "LOOSEN_BISECT_STEPS", 1)
+    monkeypatch.setattr(stage_plans_module, "LOOSEN_BISECT_STEPS", 1)
     assert solve_module._loosened(g, model, None, budget, unoptimized, 0.0) is None
 
 
