@@ -127,14 +127,36 @@ def read_baseline(path: str | Path) -> dict[str, Any]:
 
 
 def write_baseline(path: str | Path, data: dict[str, Any]) -> None:
-    """Write atomically: a failed write leaves the old baseline as it was."""
+    """Write atomically: a failed write leaves the old baseline as it was.
+
+    The folder must exist (a typo in it should fail, not create folders); the file gets the
+    permissions any new file gets here (the umask's), or keeps those of the file it replaces.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(tmp, path)
+    if not path.parent.is_dir():
+        raise BaselineError(f"baseline folder {path.parent} does not exist; create it first or pass another path")
+    mode = path.stat().st_mode & 0o777 if path.is_file() else _new_file_mode()
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(data, handle, indent=2, sort_keys=True)
+                handle.write("\n")
+            # mkstemp makes the file private (0600): a baseline is shared, like any file written here
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise BaselineError(f"baseline {path} could not be written: {exc.strerror or exc}") from None
+
+
+def _new_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @dataclass

@@ -6,19 +6,65 @@ Example:
     ...          forward_ms=10.0, step_ms=30.0, forward_flops=100, solver="HiGHS", solve_s=0.1)
     >>> p.recompute_ms, p.recomputed_nodes
     (1.5, ('relu', 'mul'))
+    >>> describe_segments(p.segments), format_ms(p.recompute_ms)
+    ('2 nodes in 1 segment (2 rerun; 0 kept or skipped)', '1.50 ms')
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
-__all__ = ["Segment", "Plan"]
+__all__ = ["Segment", "Plan", "describe_segments", "format_ms", "rerun_nodes"]
 
 GIB = 2**30
+
+
+def format_ms(ms: float) -> str:
+    """A duration as people read it: three significant digits (all the integer digits of long
+    ones), in microseconds below 0.1 ms, so that the small times of small models do not show as 0.
+
+    Example:
+        >>> [format_ms(t) for t in (492.61, 3.3, 0.25, 0.0123, 0.0)]
+        ['493 ms', '3.30 ms', '0.250 ms', '12.3 µs', '0 ms']
+    """
+    if ms == 0 or not math.isfinite(ms):
+        return f"{ms:g} ms"
+    value, unit = (ms, "ms") if abs(ms) >= 0.1 else (ms * 1000, "µs")
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f} {unit}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def describe_segments(segments: Sequence[Segment]) -> str:
+    """How many nodes the segments hold and how many of them the backward runs again: a
+    selective segment's kept nodes, and the nodes after a segment's last saved tensor, are in
+    the segment but not rerun (:attr:`Plan.recomputed_nodes` counts the rerun ones).
+
+    Example:
+        >>> describe_segments([Segment(("a", "b", "c"), 1.0, 0, kept_nodes=("b",))])
+        '3 nodes in 1 segment (2 rerun; 1 kept or skipped)'
+    """
+    if not segments:
+        return "nothing (0 segments)"
+    total = sum(len(s.node_names) for s in segments)
+    rerun = sum(len(rerun_nodes(s)) for s in segments)
+    return (f"{_count(total, 'node')} in {_count(len(segments), 'segment')} "
+            f"({rerun} rerun; {total - rerun} kept or skipped)")
+
+
+def rerun_nodes(segment: Segment) -> tuple[str, ...]:
+    """The nodes of ``segment`` the backward runs again: neither kept nor skipped."""
+    return tuple(name for name in segment.node_names
+                 if name not in segment.kept_nodes and name not in segment.skipped_nodes)
 
 
 @dataclass(frozen=True)
@@ -85,8 +131,7 @@ class Plan:
     def recomputed_nodes(self) -> tuple[str, ...]:
         """Nodes run again in the backward, wholly or in part (a selective segment's kept nodes
         and the nodes after a segment's last saved tensor are not)."""
-        return tuple(name for s in self.segments for name in s.node_names
-                     if name not in s.kept_nodes and name not in s.skipped_nodes)
+        return tuple(name for s in self.segments for name in rerun_nodes(s))
 
     @property
     def overhead_ratio(self) -> float:
@@ -95,24 +140,26 @@ class Plan:
 
     def summary(self) -> str:
         """A few lines a person can read: budget, peaks, what is recomputed, the cost."""
-        lines = [
-            f"budget            {self.budget_bytes / GIB:9.4f} GiB",
-            f"unoptimized peak  {self.unoptimized_peak_bytes / GIB:9.4f} GiB (predicted)",
-            f"planned peak      {self.predicted_peak_bytes / GIB:9.4f} GiB (predicted, "
-            f"{self.predicted_peak_bytes / max(self.unoptimized_peak_bytes, 1):.0%} of unoptimized)",
-            f"recomputed        {len(self.recomputed_nodes)} nodes in {len(self.segments)} segments",
-            f"extra time        {self.recompute_ms:.2f} ms per step (~{self.overhead_ratio:.1%} of a "
-            f"{self.step_ms:.1f} ms step)",
-            f"extra FLOPs       {self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
-            f"of the forward)",
-            f"solver            {self.solver}, {self.solve_s:.2f} s{self._solver_note()}",
+        rows = [
+            ("budget", f"{self.budget_bytes / GIB:.4f} GiB"),
+            ("unoptimized peak", f"{self.unoptimized_peak_bytes / GIB:.4f} GiB (predicted)"),
+            ("planned peak", f"{self.predicted_peak_bytes / GIB:.4f} GiB (predicted, "
+                             f"{self.predicted_peak_bytes / max(self.unoptimized_peak_bytes, 1):.0%} of unoptimized)"),
+            ("recomputed", describe_segments(self.segments)),
+            ("extra time", f"{format_ms(self.recompute_ms)} per step (~{self.overhead_ratio:.1%} of a "
+                           f"{format_ms(self.step_ms)} step)"),
+            ("extra FLOPs", f"{self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
+                            f"of the forward)"),
+            ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),
         ]
-        lines.extend(f"computation       CHANGED: {change}" for change in self.computation_changes)
+        rows.extend(("computation", f"CHANGED: {change}") for change in self.computation_changes)
+        width = max(len(label) for label, _ in rows) + 2
+        lines = [f"{label:<{width}}{value}" for label, value in rows]
         for k, seg in enumerate(self.segments):
             lines.append(
                 f"  segment {k}: {seg.node_names[0]} .. {seg.node_names[-1]} "
-                f"({len(seg.node_names)} nodes, {seg.recompute_ms:.2f} ms"
-                f"{f', {len(seg.kept_nodes)} outputs kept' if seg.selective else ''})"
+                f"({_count(len(seg.node_names), 'node')}, {len(rerun_nodes(seg))} rerun, "
+                f"{format_ms(seg.recompute_ms)}{f', {len(seg.kept_nodes)} outputs kept' if seg.selective else ''})"
             )
         return "\n".join(lines)
 

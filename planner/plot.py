@@ -13,7 +13,7 @@ from pathlib import Path
 from planner.errors import PlannerError
 from planner.report import Report
 
-__all__ = ["plot_report"]
+__all__ = ["plot_report", "distinct_mib_labels"]
 
 MIB = 2**20
 
@@ -25,6 +25,21 @@ def _progress(timeline: tuple[tuple[str, str, int], ...]) -> tuple[list[float], 
     ys = [b / MIB for _, _, b in timeline]
     backward = next((i / n for i, (phase, _, _) in enumerate(timeline) if phase != "forward"), 1.0)
     return xs, ys, backward
+
+
+def distinct_mib_labels(values_mib: list[float], max_decimals: int = 6) -> list[str]:
+    """The values with the fewest decimals (at least one) that tell different values apart, so
+    that two peaks a legend compares never read the same.
+
+    Example:
+        >>> distinct_mib_labels([10.5, 10.0]), distinct_mib_labels([10.04, 10.01])
+        (['10.5', '10.0'], ['10.04', '10.01'])
+    """
+    for decimals in range(1, max_decimals + 1):
+        labels = [f"{v:.{decimals}f}" for v in values_mib]
+        if len(set(labels)) == len(set(values_mib)):
+            return labels
+    return [f"{v:.{max_decimals}f}" for v in values_mib]
 
 
 def plot_report(report: Report, path: str | Path) -> Path:
@@ -40,16 +55,19 @@ def plot_report(report: Report, path: str | Path) -> Path:
     panels = 2 if report.pareto else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
     ax = axes[0][0]
-    for label, key, colour in (("unoptimized", "unoptimized", "tab:blue"), ("plan", "plan", "tab:orange")):
-        xs, ys, backward = _progress(report.timelines[key].timeline)
-        ax.plot(xs, ys, color=colour, label=f"{label} (peak {max(ys):.0f} MiB)")
+    curves = [(label, colour, *_progress(report.timelines[key].timeline))
+              for label, key, colour in (("unoptimized", "unoptimized", "tab:blue"), ("plan", "plan", "tab:orange"))]
+    peaks = distinct_mib_labels([max(ys, default=0.0) for _, _, _, ys, _ in curves])
+    for (label, colour, xs, ys, backward), peak in zip(curves, peaks):
+        ax.plot(xs, ys, color=colour, label=f"{label} (peak {peak} MiB)")
         ax.axvline(backward, color=colour, linestyle=":", linewidth=1)
     ax.text(0.99, 0.01, "dotted: backward starts", color="grey", ha="right", va="bottom",
             transform=ax.transAxes, fontsize=8)
     ax.axhline(report.plan.budget_bytes / MIB, color="red", linestyle="--", label="budget")
     ax.set_xlabel("progress through one training step (forward, recompute and backward ops)")
     ax.set_ylabel("live memory (MiB, predicted)")
-    ax.set_title(f"{report.model_name}: memory over the step")
+    on = f" on {report.device}" if report.device else ""
+    ax.set_title(f"{report.model_name}{on}: memory over the step")
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
     if report.pareto:
@@ -64,7 +82,11 @@ def plot_report(report: Report, path: str | Path) -> Path:
         ax.set_title("memory / overhead Pareto front")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise PlannerError(f"--plot {path} could not be written: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return path

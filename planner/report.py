@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner.costgraph import CostGraph
-from planner.plan import Plan
+from planner.plan import Plan, describe_segments, format_ms, rerun_nodes
 from planner.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
 
@@ -56,6 +56,9 @@ class Report:
     top_nodes: list[tuple[str, str, str, int]]
     top_modules: list[tuple[str, int]]
     pareto: list[Plan] = field(default_factory=list)
+    #: what the profile ran on (``graph.metadata``): "target" for a roofline of another device,
+    #: else "device" where it was measured; "" when the profile does not say
+    device: str = ""
     #: the least recompute time any plan fitting the budget needs (None: not asked)
     bound: RecomputeBound | None = None
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
@@ -65,6 +68,7 @@ class Report:
         return {
             "model": self.model_name,
             "nodes": self.node_count,
+            "device": self.device,
             "unoptimized": {
                 "predicted_peak_bytes": plan.unoptimized_peak_bytes,
                 "measured_peak_bytes": plan.measured_unoptimized_peak_bytes,
@@ -79,7 +83,7 @@ class Report:
                 "segments": [
                     {"first": s.node_names[0], "last": s.node_names[-1], "nodes": len(s.node_names),
                      "recompute_ms": s.recompute_ms, "recompute_flops": s.recompute_flops,
-                     "rerun_nodes": len(s.node_names) - len(s.kept_nodes) - len(s.skipped_nodes)}
+                     "rerun_nodes": len(rerun_nodes(s))}
                     for s in plan.segments
                 ],
             },
@@ -104,7 +108,9 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "recompute_ms": plan.recompute_ms,
         "recompute_flops": plan.recompute_flops,
         "overhead_ratio": plan.overhead_ratio,
+        "step_ms": plan.step_ms,
         "segment_count": len(plan.segments),
+        "segment_nodes": sum(len(s.node_names) for s in plan.segments),
         "recomputed_nodes": len(plan.recomputed_nodes),
         "optimality_gap": plan.optimality_gap,
         "hit_time_limit": plan.hit_time_limit,
@@ -150,8 +156,16 @@ def build_report(
         top_modules=sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0].count("."), kv[0]))[:top],
         pareto=pareto_front(sweep_plans) if sweep_plans else [],
         bound=bound,
+        device=_profiled_on(graph),
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
+
+
+def _profiled_on(graph: CostGraph) -> str:
+    target = graph.metadata.get("target")
+    if graph.metadata.get("mode") == "fake" and target:  # times from the target's roofline, nothing run
+        return f"{target} (fake tensors, roofline)"
+    return str(graph.metadata.get("device") or "")
 
 
 def _mib(n: int | None) -> str:
@@ -163,6 +177,7 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
     plan = report.plan
     summary = [
         ["model", f"{report.model_name} ({report.node_count} nodes)"],
+        ["profiled on", report.device or "n/a"],
         ["unoptimized peak (predicted)", _mib(plan.unoptimized_peak_bytes)],
         ["unoptimized peak (measured)", _mib(plan.measured_unoptimized_peak_bytes)],
         ["unoptimized peak at", f"{report.unoptimized_peak_phase} of {report.unoptimized_peak_node}"
@@ -170,8 +185,9 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["budget", _mib(plan.budget_bytes)],
         ["planned peak (predicted)", _mib(plan.predicted_peak_bytes)],
         ["kept activations", _mib(report.kept_activation_bytes)],
-        ["recomputed", f"{len(plan.recomputed_nodes)} nodes in {len(plan.segments)} segments"],
-        ["extra time", f"{plan.recompute_ms:.1f} ms per step ({plan.overhead_ratio:.1%} of {plan.step_ms:.1f} ms)"],
+        ["recomputed", describe_segments(plan.segments)],
+        ["extra time", f"{format_ms(plan.recompute_ms)} per step ({plan.overhead_ratio:.1%} of "
+                       f"{format_ms(plan.step_ms)})"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
         ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
     ]
@@ -179,8 +195,9 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         summary.append(["least possible extra time", _bound_text(report.bound, plan)])
     tables = [("Summary", ["", ""], summary)]
     if plan.segments:
-        tables.append(("Recomputed segments", ["#", "first node", "last node", "nodes", "time"], [
-            [str(k), s.node_names[0], s.node_names[-1], str(len(s.node_names)), f"{s.recompute_ms:.2f} ms"]
+        tables.append(("Recomputed segments", ["#", "first node", "last node", "nodes", "rerun", "time"], [
+            [str(k), s.node_names[0], s.node_names[-1], str(len(s.node_names)),
+             str(len(rerun_nodes(s))), format_ms(s.recompute_ms)]
             for k, s in enumerate(plan.segments)
         ]))
     tables.append(("Largest saved activations by node", ["node", "op", "module", "saved"], [
@@ -191,7 +208,8 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
     ]))
     if report.pareto:
         tables.append(("Pareto front (sweep)", ["budget", "predicted peak", "extra time", "extra FLOPs", "segments"], [
-            [_mib(p.budget_bytes), _mib(p.predicted_peak_bytes), f"{p.recompute_ms:.1f} ms ({p.overhead_ratio:.1%})",
+            [_mib(p.budget_bytes), _mib(p.predicted_peak_bytes),
+             f"{format_ms(p.recompute_ms)} ({p.overhead_ratio:.1%})",
              f"{p.recompute_flops:.3e}", str(len(p.segments))]
             for p in report.pareto
         ]))
@@ -205,7 +223,7 @@ def _bound_text(bound: RecomputeBound, plan: Plan) -> str:
     share = f" ({bound.bound / plan.step_ms:.1%})" if plan.step_ms > 0 else ""
     within = (f"; this plan costs {plan.recompute_ms / bound.bound - 1:.1%} more" if bound.bound > 0
               else "")
-    return f"{bound.bound:.1f} ms{share} by any {plans}{within} ({bound.method})"
+    return f"{format_ms(bound.bound)}{share} by any {plans}{within} ({bound.method})"
 
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:

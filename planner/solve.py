@@ -36,13 +36,14 @@ import time
 from planner.costgraph import CostGraph
 from planner.deadline import SolveDeadline
 from planner.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
+from planner.hand_policies import hand_placed_plans
 from planner.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
 from planner.keep import keep_outputs
 from planner.milp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
 from planner.plan import Plan
 from planner.refine import ALL_CUTS_BELOW, refine_segments
 from planner.relaxation import search_cheapest
-from planner.simulate import simulate
+from planner.simulate import fits_budget, simulate
 from planner.smallest_peak import _exact_search_on, minimum_peak_plan
 from planner.stage_model import StageModel, build_stage_model
 from planner.stage_plans import (CHAIN_DP, _loosened, _segments, _short_segments_plan, _tightened, _to_plan,
@@ -59,6 +60,8 @@ log = logging.getLogger("planner.solve")  # every module of a solve logs as plan
 
 #: Budgets within this of the smallest peak keep outputs in its plan (docs/tuning.md#keep_from_smallest_peak_within).
 KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
+#: Solver label of a hand-placed candidate that no search beat.
+HAND_PLACED = "hand-placed"
 #: Branch-and-bound nodes of the first ILP, on ``max_stages`` stages (docs/tuning.md#first_ilp_nodes).
 FIRST_ILP_NODES = 200
 #: Compute nodes below which the exact search runs by default (docs/tuning.md#exact_by_default_below).
@@ -222,6 +225,12 @@ def solve(
                 finer = short
     if raised is not None and raised is not plan and (finer is None or raised.recompute_ms < finer.recompute_ms):
         finer = raised
+    # what a person would write by hand (every k-th layer, matmul outputs kept) is a candidate
+    # like any other, so the plan returned never costs more than one of them that fits
+    hand = _hand_placed_candidate(graph, budget_bytes, unoptimized, started)
+    if hand is not None and (finer is None or hand.recompute_ms < finer.recompute_ms) and \
+            (plan is None or hand.recompute_ms < plan.recompute_ms):
+        finer = hand
     cheaper = plan if finer is None or (plan is not None and plan.recompute_ms <= finer.recompute_ms) else finer
     proven_infeasible = False
     search_s = time_limit_s if exact else min(time_limit_s, exact_s)
@@ -249,7 +258,8 @@ def solve(
         plan = finer  # cheaper than anything on the first stages, the exact search's optimum included
     fallback: Plan | None = None
     if plan is not None:
-        found_on_stages = ilp_found or plan is finer
+        # a hand-placed plan is a start for the cost search, as a plan only the search found is
+        found_on_stages = (ilp_found or plan is finer) and plan is not hand
         plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
         # a plan only the search found gets the cost search the fallback below would get
         if not found_on_stages:
@@ -351,10 +361,22 @@ def _with_kept_outputs(
     return best
 
 
+def _hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int, started: float) -> Plan | None:
+    """The cheapest hand-placed plan (:func:`planner.hand_policies.hand_placed_plans`) whose
+    simulated peak fits ``budget_bytes``, or ``None``."""
+    fitting = [hand for hand in hand_placed_plans(graph) if fits_budget(graph, hand.segments, budget_bytes)]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda hand: hand.recompute_ms)
+    log.info("hand-placed candidate: %s, %.2f ms", best.name, best.recompute_ms)
+    return _to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
+                    f"{HAND_PLACED}: {best.name}", time.perf_counter() - started)
+
+
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
     """``plan`` improved by :func:`planner.refine.refine_segments` when that saves recompute time.
     The ILP's gap no longer bounds a changed plan, so it is then reported as unknown."""
-    if refine_s > 0 and plan.segments:
+    if refine_s > 0 and plan.segments and not any(s.selective for s in plan.segments):
         segments = refine_segments(graph, plan.segments, budget_bytes, time_limit_s=refine_s)
         cost = sum(s.recompute_ms for s in segments)
         if cost < plan.recompute_ms - 1e-9:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.errors import InputError
+from planner.pipeline import _budget_bytes
 from planner.plan import GIB
 
 __all__ = ["predicted_peak_bytes", "assert_peak_memory"]
@@ -34,13 +36,27 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
 
     Returns the predicted peak in bytes. The message names the nodes saving the most.
 
+    Arguments are checked first, as :func:`planner.optimize` checks its own: a ``max_gb`` that is
+    not a positive finite number of GiB, or a model in eval mode, raises
+    :class:`planner.errors.InputError` (a ``ValueError``) instead of a test that passes or fails
+    for the wrong reason.
+
     Example:
         >>> import torch
         >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb=0.001)
         960
+        >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb="1")
+        Traceback (most recent call last):
+        ...
+        planner.errors.InputError: max_gb must be a number of GiB, got str
     """
+    from profiling.validate import check_model_and_inputs
+
+    limit = _budget_bytes(max_gb, "max_gb")
+    if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+        raise InputError(f"top must be a non-negative integer, got {top!r}")
+    check_model_and_inputs(model, example_inputs)
     peak, saved = predicted_peak_bytes(model, example_inputs)
-    limit = int(max_gb * GIB)
     if peak > limit:
         largest = sorted(saved.items(), key=lambda kv: -kv[1])[:top]
         names = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in largest)

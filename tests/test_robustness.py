@@ -138,3 +138,18 @@ def test_a_sweep_with_nothing_to_trade_says_so(caplog):
         plans = sweep(graph, points=4)
     assert len(plans) == 1
     assert "no plan peaks below the unoptimized" in caplog.text
+
+
+def test_the_cli_plans_a_saved_training_program_with_batch_norm_and_refuses_an_eval_one(tmp_path, capsys):
+    from planner.cli import main
+
+    model, example = cnn(batch=8, image_size=16, widths=(8, 16))
+    torch.export.save(torch.export.export(model.train(), example, strict=False), tmp_path / "train.pt2")
+    torch.export.save(torch.export.export(model.eval(), example, strict=False), tmp_path / "eval.pt2")
+    peak = measure_step_peak_bytes(model.train(), StepInputs.from_example(example))
+    budget_gb = 0.8 * peak / 2**30
+    assert main(["report", str(tmp_path / "train.pt2"), "--budget-gb", f"{budget_gb:.6f}", "--no-bound"]) == 0
+    assert "segment" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "eval.pt2"), "--budget-gb", f"{budget_gb:.6f}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exported in eval mode" in err[0]

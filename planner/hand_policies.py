@@ -1,0 +1,126 @@
+"""The plans a person writes by hand, as candidates every solve must match or beat.
+
+A user who does not run this tool checkpoints every layer (HuggingFace's
+``gradient_checkpointing_enable()``), every k-th layer (Chen et al.'s sqrt(n) spacing), or keeps
+the matmul outputs inside each checkpointed layer and recomputes the rest (the selective policy
+of torchtitan and Megatron). :func:`hand_placed_plans` builds those plans on a profiled graph,
+from the repeated blocks the graph itself shows (:func:`repeated_blocks`), so the solver can take
+them as candidates: the plan it returns never costs more than one of them that fits the budget.
+
+Example:
+    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    >>> for i in range(1, 7):   # three layers of two ops each
+    ...     nodes.append(CostNode(f"n{i}", "aten.relu.default", input_names=(nodes[-1].name,),
+    ...                           output_storages=(i,), saved_storages=(i,), output_bytes=2**20,
+    ...                           requires_grad=True, time_ms=1.0, module=f"layers.{(i - 1) // 2}"))
+    >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(7)), ("n6",))
+    >>> [len(stack) for stack in repeated_blocks(g)]
+    [3]
+    >>> [(p.name, len(p.segments)) for p in hand_placed_plans(g)][:2]
+    [('every layer', 3), ('every 2nd layer', 2)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.costgraph import CostGraph
+from planner.keep import segment_with_kept
+from planner.plan import Segment
+
+__all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "EVERY_KTH_LAYER_MAX_K", "SAVED_MATMUL_OPS"]
+
+#: Every k-th layer for k = 1 up to this: the spacings people write by hand (sqrt(n) of 4 to 16 layers).
+EVERY_KTH_LAYER_MAX_K = 4
+
+#: What the save-matmuls selective policy keeps inside a checkpointed layer (torchtitan's and
+#: Megatron's list: matrix products and attention); everything else in the layer is recomputed.
+SAVED_MATMUL_OPS = frozenset({
+    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+    "aten.matmul.default", "aten.scaled_dot_product_attention.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+})
+
+
+@dataclass(frozen=True)
+class HandPlan:
+    """A hand-placed policy on one graph: its name and the segments it recomputes."""
+
+    name: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def recompute_ms(self) -> float:
+        return sum(s.recompute_ms for s in self.segments)
+
+
+def _outer_block(module: str) -> tuple[str, int] | None:
+    """``("transformer.h", 3)`` for ``transformer.h.3.attn.c_attn``: the module path up to its
+    first numeric part, and that number; ``None`` for a path without one."""
+    parts = module.split(".") if module else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part)
+    return None
+
+
+def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
+    """The graph's stacks of repeated blocks, from the module paths its nodes came from: each
+    module list (``transformer.h``, ``encoder.block``, ``blocks``) with two or more indexed
+    children is a stack, and each child's compute nodes, in graph order, a block. Stacks are in
+    the order their first node runs; a node inside a nested list (``layers.0.experts.1``)
+    belongs to its outermost block."""
+    stacks: dict[str, dict[int, list[str]]] = {}
+    for node in graph.compute_nodes:
+        found = _outer_block(node.module)
+        if found is not None:
+            stacks.setdefault(found[0], {}).setdefault(found[1], []).append(node.name)
+    return [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
+
+
+def _recomputable_runs(graph: CostGraph, block: Sequence[str]) -> list[tuple[str, ...]]:
+    """The block's recomputable nodes as maximal runs that are contiguous in the graph's compute
+    order (a segment must be one): a node outside the block or one that must run once ends a run."""
+    members = set(block)
+    runs: list[tuple[str, ...]] = []
+    current: list[str] = []
+    for node in graph.compute_nodes:
+        if node.name in members and node.recomputable:
+            current.append(node.name)
+        elif current:
+            runs.append(tuple(current))
+            current = []
+    if current:
+        runs.append(tuple(current))
+    return runs
+
+
+def _ordinal(k: int) -> str:
+    return {1: "", 2: "2nd ", 3: "3rd "}.get(k, f"{k}th ")
+
+
+def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> list[HandPlan]:
+    """Checkpoint every k-th block of every stack (k = 1 .. ``max_k``, as long as a stack has more
+    than k blocks) and, for each, the same blocks keeping their matmul outputs
+    (:data:`SAVED_MATMUL_OPS`, where a selective policy can keep them). Costs are what each
+    recompute reruns (:func:`planner.keep.segment_with_kept`). No stacks: no plans."""
+    stacks = repeated_blocks(graph)
+    plans: list[HandPlan] = []
+    for k in range(1, max_k + 1):
+        chosen = [block for stack in stacks if len(stack) > k or k == 1
+                  for index, block in enumerate(stack) if index % k == 0]
+        if not chosen:
+            continue
+        runs = [run for block in chosen for run in _recomputable_runs(graph, block)]
+        if not runs:
+            continue
+        name = f"every {_ordinal(k)}layer"
+        plans.append(HandPlan(name, tuple(segment_with_kept(graph, run) for run in runs)))
+        matmuls = tuple(segment_with_kept(graph, run, {n for n in run if graph.node(n).op in SAVED_MATMUL_OPS
+                                                       and graph.node(n).selective_save}) for run in runs)
+        if any(s.kept_nodes for s in matmuls):
+            plans.append(HandPlan(f"{name}, matmul outputs kept", matmuls))
+    return plans
