@@ -28,7 +28,7 @@ from common import GIB, MIB, benchmark_logging, checkpoint_every_k, publish_tabl
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, Plan, optimize
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from profiling import StepInputs, measure_step_peak_bytes
 
 log = logging.getLogger("exact_search")
@@ -77,7 +77,7 @@ class TargetRow:
 def _solve(graph, budget_bytes: int, exact: bool | None) -> Solved:
     started = time.perf_counter()
     try:
-        plan = plan_for_budget(graph, budget_bytes / GIB, exact=exact, safety_margin=SAFETY_MARGIN)
+        plan = plan_for_budget(graph, budget_bytes / GIB, PlanOptions(exact=exact, safety_margin=SAFETY_MARGIN))
     except InfeasibleBudgetError:
         plan = None
     return Solved(plan, time.perf_counter() - started)

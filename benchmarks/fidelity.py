@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import models  # noqa: E402
 
 from planner import simulate  # noqa: E402
-from planner.pipeline import optimize, plan_for_budget  # noqa: E402
+from planner.pipeline import PlanOptions, optimize, plan_for_budget  # noqa: E402
 from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module  # noqa: E402
 from publish import publish_doc, tee_stdout  # noqa: E402
 
@@ -138,7 +138,7 @@ def xl_row(batch: int = 1, seq_len: int = 4096, budget_gb: float = 80e9 / GIB, t
     model, example = models.gpt2_meta(batch=batch, seq_len=seq_len)
     graph = profile_graph(trace_module(model, example), example, fake=True, target=target)
     unoptimized = simulate(graph).peak_bytes
-    plan = plan_for_budget(graph, budget_gb, max_stages=16, time_limit_s=30.0)
+    plan = plan_for_budget(graph, budget_gb, PlanOptions(max_stages=16, time_limit_s=30.0))
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokens": f"{batch} x {seq_len}",

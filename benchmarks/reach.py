@@ -45,7 +45,7 @@ from quality import MODELS
 from planner import InfeasibleBudgetError, optimize
 from planner.bounds import LowerBound
 from planner.costgraph import CostGraph, protect_reads_before_writes
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from planner.reach import RecomputeBound, recompute_bound
 from planner.segment_covering import segment_covering_bound
 from planner.rerun import rerun_cost
@@ -140,7 +140,7 @@ def whole_segments_bound(graph: CostGraph, budget_bytes: int, objective: str, ti
 
 def _plan_ms(graph: CostGraph, budget_bytes: int, selective: bool) -> tuple[float | None, int | None]:
     try:
-        plan = plan_for_budget(graph, budget_bytes / GIB, selective=selective)
+        plan = plan_for_budget(graph, budget_bytes / GIB, PlanOptions(selective=selective))
     except InfeasibleBudgetError:
         return None, None
     return plan.recompute_ms, plan.recompute_flops

@@ -124,6 +124,4 @@ def _on_doubled_stages(
     except SolverError as exc:
         log.info("the ILP on %d stages found no plan (%s); keeping the plan on %d", len(stages), exc, stage_count)
         return None, len(stages)
-    if finer is not None:
-        finer = dataclasses.replace(finer, solver=finer.solver.removesuffix(" (tightened)"))
     return finer, len(stages)

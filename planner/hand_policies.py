@@ -32,11 +32,10 @@ from planner.plan import Segment
 
 __all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "EVERY_KTH_LAYER_MAX_K", "SAVED_MATMUL_OPS"]
 
-#: Every k-th layer for k = 1 up to this: the spacings people write by hand (sqrt(n) of 4 to 16 layers).
+#: Every k-th layer for k = 1 up to this (docs/tuning.md#every_kth_layer_max_k).
 EVERY_KTH_LAYER_MAX_K = 4
 
-#: What the save-matmuls selective policy keeps inside a checkpointed layer (torchtitan's and
-#: Megatron's list: matrix products and attention); everything else in the layer is recomputed.
+#: What the save-matmuls policy keeps in a checkpointed layer (docs/tuning.md#saved_matmul_ops).
 SAVED_MATMUL_OPS = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
     "aten.matmul.default", "aten.scaled_dot_product_attention.default",

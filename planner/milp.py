@@ -106,6 +106,8 @@ class _IlpResult:
     hit_time_limit: bool
     #: nodes the chosen keep options keep (selective models only)
     kept: frozenset[str] = frozenset()
+    #: solved by the chain DP (exact over the stage model) rather than a MILP solver
+    by_chain_dp: bool = False
 
 
 def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True,

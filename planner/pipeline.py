@@ -1,4 +1,6 @@
-"""``optimize``: trace, profile, plan and rewrite in one call. The only module here that needs torch.
+"""``optimize``: trace, profile, plan and rewrite in one call: the front door that joins the
+stages. It needs torch, so ``planner`` loads it on first use of ``optimize``; the rest of the
+planner imports without torch.
 
 Example:
     >>> import torch
@@ -18,7 +20,6 @@ import logging
 import math
 from typing import Any
 
-from planner.errors import InfeasibleBudgetError, InputError, PlannerError
 from planner.costgraph import (
     CostGraph,
     Storage,
@@ -26,32 +27,19 @@ from planner.costgraph import (
     protect_reads_before_writes,
     shard_parameters,
 )
+from planner.errors import InfeasibleBudgetError, InputError, PlannerError
+from planner.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
 from planner.plan import GIB, Plan
-from planner.solve import check_max_stages, check_time_limit, solve
+from planner.solve import solve
+from profiling.cache import cached_profile_graph
+from profiling.progress import heartbeat
+from profiling.trace import TRACE_METHODS, trace_module
+from profiling.validate import check_model_and_inputs
+from rewrite.apply import CheckpointedModule, apply_plan
 
-__all__ = ["optimize", "plan_for_budget"]
+__all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 log = logging.getLogger(__name__)
-
-
-#: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
-#: single accelerator holds a terabyte.
-MAX_PLAUSIBLE_BUDGET_GB = 1024.0
-
-
-def _budget_bytes(budget_gb: float, name: str = "budget_gb") -> int:
-    """``budget_gb`` in bytes, or :class:`InputError` for a value that cannot be a budget in GiB."""
-    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
-        raise InputError(f"{name} must be a number of GiB, got {type(budget_gb).__name__}")
-    if not math.isfinite(budget_gb) or budget_gb <= 0:
-        raise InputError(f"{name} must be a positive finite number of GiB, got {budget_gb}")
-    if budget_gb > MAX_PLAUSIBLE_BUDGET_GB:
-        raise InputError(
-            f"{name}={budget_gb:g} looks like the wrong unit: it is in GiB (2**30 bytes), and no single "
-            f"device has more than {MAX_PLAUSIBLE_BUDGET_GB:g} GiB; for {budget_gb:g} MiB pass "
-            f"{name}={budget_gb / 1024:.4g}"
-        )
-    return int(budget_gb * GIB)
 
 
 def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
@@ -65,62 +53,67 @@ def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_ma
     return budget
 
 
-def plan_for_budget(
-    graph: CostGraph,
-    budget_gb: float,
-    *,
-    reserve_gb: float = 0.0,
-    safety_margin: float = 0.01,
-    max_stages: int = 32,
-    solver: str | None = None,
-    time_limit_s: float = 60.0,
-    selective: bool = False,
-    world_size: int = 1,
-    grads_held: bool = False,
-    exact: bool | None = None,
-    max_solve_s: float | None = None,
-) -> Plan:
-    """Solve ``graph`` for a budget in GiB, keeping ``reserve_gb`` and a ``safety_margin`` free.
+def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = PlanOptions(), *,
+                    grads_held: bool = False) -> Plan:
+    """Solve ``graph`` for a budget in GiB with ``options``, keeping ``options.reserve_gb`` and
+    ``options.safety_margin`` free.
 
     The returned plan's ``budget_bytes`` is the user's budget; its predicted peak stays under
     ``(budget - reserve) * (1 - safety_margin)``. An infeasible budget raises
     :class:`InfeasibleBudgetError` naming the smallest ``budget_gb`` (in bytes) that works.
 
-    ``world_size`` > 1 plans the per-rank step with parameters and their gradients sharded over
-    that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
+    ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
+    sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
-    ``exact`` and ``max_solve_s``: see :func:`planner.solve.solve`.
 
     Example:
         >>> from planner.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 2**20, True),))
-        >>> plan_for_budget(g, 1.0).segments
+        >>> plan_for_budget(g, 1.0, PlanOptions(safety_margin=0.0)).segments
         ()
     """
-    budget_bytes = _budget_bytes(budget_gb)
-    reserve_bytes = _budget_bytes(reserve_gb, "reserve_gb") if reserve_gb else 0
+    budget_bytes = check_budget_gb(budget_gb)
+    reserve_bytes = options.reserve_bytes
     if budget_bytes <= reserve_bytes:
-        raise InputError(f"reserve_gb={reserve_gb} leaves no room inside budget_gb={budget_gb}")
-    if not 0 <= safety_margin < 1:
-        raise InputError(f"safety_margin must be in [0, 1), got {safety_margin}")
-    planning_bytes = int((budget_bytes - reserve_bytes) * (1 - safety_margin))
+        raise InputError(f"reserve_gb={options.reserve_gb} leaves no room inside budget_gb={budget_gb}")
+    # a budget of a few bytes leaves none to plan with: the solver then names the smallest that works
+    planning_bytes = max(1, int((budget_bytes - reserve_bytes) * (1 - options.safety_margin)))
     # set by the profiler from the captured graph: transformations the user asked for by name
     changes = tuple(graph.metadata.get("computation_changes", ()))
     try:
-        graph = shard_parameters(graph, world_size)
+        graph = shard_parameters(graph, options.world_size)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
     if grads_held:
         graph = hold_parameter_grads(graph)
     graph = protect_reads_before_writes(graph)
     try:
-        plan = solve(graph, planning_bytes, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                     selective=selective, exact=exact, max_solve_s=max_solve_s)
+        plan = solve(graph, planning_bytes, max_stages=options.max_stages, solver=options.solver,
+                     time_limit_s=options.time_limit_s, selective=options.selective, exact=options.exact,
+                     max_solve_s=options.max_solve_s)
     except InfeasibleBudgetError as exc:
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
-            exc.min_feasible_bytes, reserve_bytes, safety_margin)) from None
+            exc.min_feasible_bytes, reserve_bytes, options.safety_margin)) from None
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """How ``optimize`` captures and profiles the model (its docstring says what each does)."""
+
+    trace_method: str = "export"
+    timing_repeats: int = 3
+    cache_dir: str | None = None
+    progress: bool = False
+    simplify_attention_masks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trace_method not in TRACE_METHODS:
+            raise InputError(f"trace_method must be one of {TRACE_METHODS}, got {self.trace_method!r}")
+        if isinstance(self.timing_repeats, bool) or not isinstance(self.timing_repeats, int) or \
+                self.timing_repeats < 1:
+            raise InputError(f"timing_repeats must be a positive integer, got {self.timing_repeats!r}")
 
 
 def optimize(
@@ -208,21 +201,15 @@ def optimize(
         TraceError: the model could not be captured (names the submodule and source line).
         SolverError: no MILP solver is installed, or none found a plan within ``time_limit_s``.
     """
-    from profiling.validate import check_model_and_inputs
-    from rewrite.apply import CheckpointedModule
-
-    # fail on a bad budget, model or inputs before the slow work
-    _budget_bytes(budget_gb)
-    if reserve_gb:
-        _budget_bytes(reserve_gb, "reserve_gb")
-    check_time_limit(time_limit_s)
-    check_max_stages(max_stages)
-    if max_solve_s is not None:
-        check_time_limit(max_solve_s, "max_solve_s")
+    # fail on a bad budget, option, model or inputs before the slow work
+    check_budget_gb(budget_gb)
+    planning = PlanOptions(reserve_gb=reserve_gb, safety_margin=safety_margin, max_stages=max_stages, solver=solver,
+                           time_limit_s=time_limit_s, selective=selective, world_size=world_size, exact=exact,
+                           max_solve_s=max_solve_s)
+    capture = CaptureOptions(trace_method=trace_method, timing_repeats=timing_repeats, cache_dir=cache_dir,
+                             progress=progress, simplify_attention_masks=simplify_attention_masks)
     check_model_and_inputs(model, example_inputs)
-    replan = Replanner(budget_gb, reserve_gb, trace_method, max_stages, solver, time_limit_s, timing_repeats,
-                       safety_margin, selective, world_size, cache_dir, progress, exact, max_solve_s,
-                       simplify_attention_masks)
+    replan = Replanner(budget_gb, planning, capture)
     gm, plan, graph = replan(model, example_inputs)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
@@ -242,43 +229,23 @@ class Replanner:
     """
 
     budget_gb: float
-    reserve_gb: float = 0.0
-    trace_method: str = "export"
-    max_stages: int = 32
-    solver: str | None = None
-    time_limit_s: float = 60.0
-    timing_repeats: int = 3
-    safety_margin: float = 0.01
-    selective: bool = False
-    world_size: int = 1
-    cache_dir: str | None = None
-    progress: bool = False
-    exact: bool | None = None
-    max_solve_s: float | None = None
-    simplify_attention_masks: bool = False
+    planning: PlanOptions = PlanOptions()
+    capture: CaptureOptions = CaptureOptions()
 
-    def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise PlannerError(f"world_size must be a positive integer, got {self.world_size!r}")
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan shards parameters over (the rewrite asks, to re-plan per FSDP unit)."""
+        return self.planning.world_size
 
     def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
                  grads_held: bool = False) -> tuple[Any, Plan, CostGraph]:
-        from profiling.cache import cached_profile_graph
-        from profiling.progress import heartbeat
-        from profiling.trace import trace_module
-        from rewrite.apply import apply_plan
-
-        gm = trace_module(model, example_inputs, method=self.trace_method,
-                          simplify_attention_masks=self.simplify_attention_masks)
+        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
+                          simplify_attention_masks=self.capture.simplify_attention_masks)
         if graph is None:
-            graph = cached_profile_graph(gm, example_inputs, self.cache_dir, timing_repeats=self.timing_repeats,
-                                         progress=self.progress)
+            graph = cached_profile_graph(gm, example_inputs, self.capture.cache_dir,
+                                         timing_repeats=self.capture.timing_repeats, progress=self.capture.progress)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
-            plan = plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb,
-                                   safety_margin=self.safety_margin, max_stages=self.max_stages, solver=self.solver,
-                                   time_limit_s=self.time_limit_s, selective=self.selective,
-                                   world_size=self.world_size, grads_held=grads_held, exact=self.exact,
-                                   max_solve_s=self.max_solve_s)
+            plan = plan_for_budget(graph, self.budget_gb, self.planning, grads_held=grads_held)
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
@@ -295,7 +262,4 @@ class Replanner:
             key = max((st.key for st in graph.storages), default=-1) + 1
             graph = dataclasses.replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
                                         measured_peak_bytes=None)
-        return plan_for_budget(graph, self.budget_gb, reserve_gb=self.reserve_gb, safety_margin=self.safety_margin,
-                               max_stages=self.max_stages, solver=self.solver, time_limit_s=self.time_limit_s,
-                               selective=self.selective, world_size=self.world_size, grads_held=grads_held,
-                               exact=self.exact, max_solve_s=self.max_solve_s)
+        return plan_for_budget(graph, self.budget_gb, self.planning, grads_held=grads_held)

@@ -113,6 +113,8 @@ class Plan:
     optimality_gap: float | None = None
     #: the solver stopped at its time limit; the plan fits the budget but may cost more
     hit_time_limit: bool = False
+    #: the segments are the chain DP's optimum over a stage model (no MILP solver was needed)
+    by_chain_dp: bool = False
     #: transformations of the captured graph that make it compute other than the user's module
     #: (each asked for by name, e.g. ``simplify_attention_masks``); empty: the user's computation
     computation_changes: tuple[str, ...] = ()

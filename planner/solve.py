@@ -46,13 +46,10 @@ from planner.relaxation import search_cheapest
 from planner.simulate import fits_budget, simulate
 from planner.smallest_peak import _exact_search_on, minimum_peak_plan
 from planner.stage_model import StageModel, build_stage_model
-from planner.stage_plans import (CHAIN_DP, _loosened, _segments, _short_segments_plan, _tightened, _to_plan,
+from planner.stage_plans import (_loosened, _segments, _short_segments_plan, _tightened, _to_plan,
                                  short_segment_shapes)
 from planner.stages import build_stages
 
-# reached through this module by tests of the solver's parts
-from planner.milp import _cbc, _proven_gap, _solve_ilp, _solver_named, _variable  # noqa: F401
-from planner.stage_plans import _solve_chain  # noqa: F401
 
 __all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit", "check_max_stages"]
 
@@ -192,7 +189,7 @@ def solve(
     # a candidate of its own, and the finer rounds' start where the model found none at the
     # budget; the rounds start from the budget's own plan otherwise (on Llama at 1.03 times its
     # smallest peak, 75.6 ms from it against 76.2 from the raised target's 78.4)
-    by_dp = by_chain_dp and (plan is None or plan.solver.startswith(CHAIN_DP))  # not where the DP was too large
+    by_dp = by_chain_dp and (plan is None or plan.by_chain_dp)  # not where the DP was too large
     raised = _loosened(graph, model, plan, budget_bytes, unoptimized, started) if by_dp else plan
     if finer_rounds < 0:
         raise ValueError(f"finer_rounds must be 0 or more, got {finer_rounds}")
@@ -260,7 +257,6 @@ def solve(
     if plan is not None:
         # a hand-placed plan is a start for the cost search, as a plan only the search found is
         found_on_stages = (ilp_found or plan is finer) and plan is not hand
-        plan = dataclasses.replace(plan, solver=plan.solver.removesuffix(" (tightened)"))
         # a plan only the search found gets the cost search the fallback below would get
         if not found_on_stages:
             search_refine_s = refine_s

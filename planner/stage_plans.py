@@ -65,7 +65,7 @@ def _solve_chain(model: StageModel, budget_mib: float) -> _IlpResult | None:
     if plan is None:
         return None
     kept = frozenset(name for j, o in plan.keeps for name in model.keep_options[j][o].node_names)
-    return _IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept)
+    return _IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept, by_chain_dp=True)
 
 
 def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
@@ -102,6 +102,7 @@ def _to_plan(
         measured_unoptimized_peak_bytes=graph.measured_peak_bytes,
         optimality_gap=result.gap if result else None,
         hit_time_limit=result.hit_time_limit if result else False,
+        by_chain_dp=result.by_chain_dp if result else False,
     )
 
 
@@ -120,8 +121,7 @@ def _tightened(
     loosen: bool = False,
 ) -> Plan | None:
     """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
-    fits. None when the ILP becomes infeasible first. A plan found after lowering is marked
-    ``(tightened)`` in its solver name. ``node_limit`` and ``node_limit_needs_plan``: of each
+    fits. None when the ILP becomes infeasible first. ``node_limit`` and ``node_limit_needs_plan``: of each
     solve (:func:`_solve_ilp`). ``by_chain_dp``: solve the model by dynamic
     programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time); one the
     DP finds too large goes to the ILP (with its node and time limits). ``loosen``: a plan the
@@ -139,8 +139,7 @@ def _tightened(
             result = _solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
         if result is None:
             break
-        plan = _replayed(graph, model, result, budget_bytes, unoptimized, started,
-                         f"{result.solver} (tightened)" if attempt else result.solver)
+        plan = _replayed(graph, model, result, budget_bytes, unoptimized, started)
         peak = plan.predicted_peak_bytes
         log.info("attempt %d: %d segments, simulated peak %.1f MiB (budget %.1f MiB)",
                  attempt, len(result.chosen), peak / MIB, budget_bytes / MIB)
@@ -276,4 +275,4 @@ def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages:
     if plan is None:
         return None, len(stages)
     log.info("short segments on %d stages: %.2f ms", len(stages), plan.recompute_ms)
-    return dataclasses.replace(plan, solver=f"{plan.solver.removesuffix(' (tightened)')} (short segments)"), len(stages)
+    return dataclasses.replace(plan, solver=f"{plan.solver} (short segments)"), len(stages)

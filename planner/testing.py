@@ -15,18 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 from planner.errors import InputError
-from planner.pipeline import _budget_bytes
+from planner.options import check_budget_gb
 from planner.plan import GIB
+from planner.simulate import simulate
+from profiling.profile import profile_graph
+from profiling.trace import trace_module
+from profiling.validate import check_model_and_inputs
 
 __all__ = ["predicted_peak_bytes", "assert_peak_memory"]
 
 
 def predicted_peak_bytes(model: Any, example_inputs: Any) -> tuple[int, dict[str, int]]:
     """Predicted unoptimized training-step peak and the saved activation bytes per node."""
-    from planner.simulate import simulate
-    from profiling.profile import profile_graph
-    from profiling.trace import trace_module
-
     graph = profile_graph(trace_module(model, example_inputs), example_inputs, fake=True)
     return simulate(graph).peak_bytes, graph.saved_bytes_by_node()
 
@@ -50,9 +50,7 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
         ...
         planner.errors.InputError: max_gb must be a number of GiB, got str
     """
-    from profiling.validate import check_model_and_inputs
-
-    limit = _budget_bytes(max_gb, "max_gb")
+    limit = check_budget_gb(max_gb, "max_gb")
     if not isinstance(top, int) or isinstance(top, bool) or top < 0:
         raise InputError(f"top must be a non-negative integer, got {top!r}")
     check_model_and_inputs(model, example_inputs)

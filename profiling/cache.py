@@ -36,6 +36,7 @@ import torch.fx
 
 from planner.costgraph import CostGraph, CostNode, Storage
 from planner.errors import ProfileError
+from profiling import profile
 from profiling.measure import StepInputs
 
 __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cached_profile_graph"]
@@ -173,10 +174,8 @@ def cached_profile_graph(
     ``"hit"``); a miss profiles and stores it. An unreadable file is logged and profiled again.
     ``profile_kwargs`` go to ``profile_graph``; ``fake`` and ``target`` are part of the key.
     """
-    from profiling.profile import profile_graph
-
     if cache_dir is None:
-        return profile_graph(gm, example_inputs, **profile_kwargs)
+        return profile.profile_graph(gm, example_inputs, **profile_kwargs)
     key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
                       target=str(profile_kwargs.get("target", "cpu")))
     path = Path(cache_dir) / f"{key}.json"
@@ -189,7 +188,7 @@ def cached_profile_graph(
             log.info("profile cache hit: %s (%d nodes)", path, len(graph.nodes))
             graph.metadata.update(cache="hit", fingerprint=key)
             return graph
-    graph = profile_graph(gm, example_inputs, **profile_kwargs)
+    graph = profile.profile_graph(gm, example_inputs, **profile_kwargs)
     save_profile(graph, path, key)
     log.info("profile cached at %s", path)
     graph.metadata.update(cache="miss", fingerprint=key)

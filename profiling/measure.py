@@ -27,15 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
+from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from planner.errors import PlannerError
+from planner.errors import PlannerError, ProfileError
 
 __all__ = [
     "StepInputs",
     "allocation_events",
     "memory_profile",
     "device_of",
+    "flat_graph_inputs",
     "loss_of",
     "run_step",
     "unflatten_output",
@@ -94,6 +97,23 @@ def loss_of(output: Any) -> torch.Tensor:
     for p in parts[1:]:
         total = total + p
     return total
+
+
+def flat_graph_inputs(gm: torch.fx.GraphModule, inputs: StepInputs) -> list[Any]:
+    """The values of the graph's placeholders, in order, for ``gm(*inputs.args, **inputs.kwargs)``."""
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is not None:
+        return list(tree_flatten_spec((inputs.args, inputs.kwargs), in_spec))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(inputs.args)
+    for node in placeholders[len(values):]:
+        if node.target in inputs.kwargs:
+            values.append(inputs.kwargs[node.target])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise ProfileError(f"no example value for input {node.target!r}")
+    return values
 
 
 def unflatten_output(gm: torch.nn.Module, flat_out: Any) -> Any:

@@ -38,6 +38,7 @@ from profiling.measure import (
     StepInputs,
     allocation_events,
     device_of,
+    flat_graph_inputs,
     loss_of,
     memory_profile,
     preserved_state,
@@ -67,8 +68,6 @@ def _walk(roots: list[Any]) -> list[Any]:
 
 def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[dict[str, int], dict[str, int]]:
     """Per node name: peak bytes allocated during its forward, and during its backward."""
-    from profiling.profile import flat_graph_inputs
-
     flat = flat_graph_inputs(gm, inputs)
     with preserved_state(gm), memory_profile() as prof:
         flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)

@@ -363,11 +363,11 @@ from planner.errors import InfeasibleBudgetError
 
 real_plan_for_budget = planner.pipeline.plan_for_budget
 
-def noisy(graph, budget_gb, **options):
+def noisy(graph, budget_gb, *args, **options):
     logging.getLogger("profiling.profile").warning("timings varied by 40% between passes")
     if budget_gb < 0.001:
         raise InfeasibleBudgetError(int(budget_gb * 2**30), 4096)
-    return real_plan_for_budget(graph, budget_gb, **options)
+    return real_plan_for_budget(graph, budget_gb, *args, **options)
 
 planner.pipeline.plan_for_budget = noisy
 sys.exit(main(sys.argv[1:]))

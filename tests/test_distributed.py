@@ -176,9 +176,9 @@ def test_fsdp_unit_hooks_run_around_a_block_and_refuse_split_modules():
 
 def test_segments_never_span_two_fsdp_units_and_hooks_run_once(monkeypatch):
     """The unit machinery without processes: plain hooks on four blocks stand in for FSDP's."""
-    import rewrite.apply as apply
+    import rewrite.checkpointed_module as checkpointed_module
     from planner import simulate
-    from planner.pipeline import Replanner
+    from planner.pipeline import CaptureOptions, Replanner
     from planner.plan import Plan, Segment
     from profiling import profile_graph, trace_module
     from profiling.measure import loss_of
@@ -195,13 +195,13 @@ def test_segments_never_span_two_fsdp_units_and_hooks_run_once(monkeypatch):
     unoptimized = simulate(graph).peak_bytes
     plan = Plan(unoptimized, simulate(graph, [everything]).peak_bytes, unoptimized, (everything,), 0.0, 0.0, 0,
                 "manual", 0.0)
-    replan = Replanner(budget_gb=0.8 * unoptimized / 2**30, timing_repeats=1)
+    replan = Replanner(budget_gb=0.8 * unoptimized / 2**30, capture=CaptureOptions(timing_repeats=1))
     opt = CheckpointedModule(apply_plan(gm, plan), model, plan, cost_graph=graph, example_inputs=(x,),
                              replan=replan)
     units = tuple(f"blocks.{i}" for i in range(4))
     unit_of = {n.name: ".".join(n.module.split(".")[:2]) for n in graph.nodes}
-    monkeypatch.setattr(apply, "fsdp_unit_paths", lambda module: units)
-    monkeypatch.setattr(apply, "_distributed_world_size", lambda: 2)
+    monkeypatch.setattr(checkpointed_module, "fsdp_unit_paths", lambda module: units)
+    monkeypatch.setattr(checkpointed_module, "_distributed_world_size", lambda: 2)
     calls: list[str] = []
     for i, block in enumerate(model.blocks):
         block.register_forward_pre_hook(lambda module, args, i=i: calls.append(f"enter {i}"))

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from graphs import MIB, chain
+from graphs import chain
 from models import cnn
 from planner import optimize
 from planner.errors import InputError

@@ -11,7 +11,7 @@ import pytest
 
 from planner import InputError, simulate, solve
 from planner.deadline import MIN_PHASE_S, SolveDeadline
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from planner.sweep import sweep
 
 solve_module = importlib.import_module("planner.solve")
@@ -113,7 +113,7 @@ def test_the_bound_reaches_the_solve_from_plan_for_budget_and_sweep(gpt2_graph, 
     monkeypatch.setattr("planner.pipeline.solve", spy)
     monkeypatch.setattr("planner.sweep.solve", spy)
     peak_gb = simulate(gpt2_graph).peak_bytes / 2**30
-    plan_for_budget(gpt2_graph, peak_gb * 0.7, max_stages=4, max_solve_s=2.0)
+    plan_for_budget(gpt2_graph, peak_gb * 0.7, PlanOptions(max_stages=4, max_solve_s=2.0))
     sweep(gpt2_graph, [int(peak_gb * 0.8 * 2**30)], max_stages=4, max_solve_s=3.0)
     assert seen == [2.0, 3.0]
 

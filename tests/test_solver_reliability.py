@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from graphs import MIB, brute_force, chain, mlp_blocks, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from planner.relaxation import search_cheapest
 from planner.rerun import rerun_cost
 from planner.stages import build_stages
@@ -108,7 +108,7 @@ def test_no_solver_at_all_says_what_to_install(monkeypatch):
 def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
     if solve_module.available_solvers() != ["HiGHS", "CBC"]:
         pytest.skip("needs both HiGHS and CBC")  # pragma: no cover - the test extra installs both
-    real = solve_module._solver_named
+    real = milp_module._solver_named
 
     class BrokenBinary(pulp.LpSolver):
         def actualSolve(self, lp):  # noqa: N802 - PuLP's name
@@ -148,20 +148,20 @@ def test_optimal_plans_report_their_proven_gap():
     floor = minimum_peak_plan(g).predicted_peak_bytes
     plan = solve(g, (floor + simulate(g).peak_bytes) // 2, refine_s=0)  # the ILP's own plan
     assert plan.segments and not plan.hit_time_limit
-    assert plan.optimality_gap is not None and 0.0 <= plan.optimality_gap <= solve_module.MIP_GAP + 1e-9
+    assert plan.optimality_gap is not None and 0.0 <= plan.optimality_gap <= milp_module.MIP_GAP + 1e-9
     assert f"gap {plan.optimality_gap:.1%}" in plan.summary()
 
 
 def test_cbc_gap_after_a_time_limit_is_bounded_by_the_lp_relaxation():
     prob = pulp.LpProblem("knapsack", pulp.LpMinimize)
-    x = [solve_module._variable(prob, f"x{i}", cat="Binary") for i in range(4)]
+    x = [milp_module._variable(prob, f"x{i}", cat="Binary") for i in range(4)]
     prob += pulp.lpSum((i + 1) * v for i, v in enumerate(x))
     prob += pulp.lpSum(x) >= 1.5, "at_least_two_halves"
-    prob.solve(solve_module._cbc(10))
+    prob.solve(milp_module._cbc(10))
     objective = pulp.value(prob.objective)  # x0 + x1 = 3; the relaxation reaches 1 + 0.5 * 2 = 2
-    gap = solve_module._proven_gap(prob, "CBC", objective, hit_time_limit=True)
+    gap = milp_module._proven_gap(prob, "CBC", objective, hit_time_limit=True)
     assert gap == pytest.approx((3 - 2) / 3)
-    assert solve_module._proven_gap(prob, "CBC", objective, hit_time_limit=False) == solve_module.MIP_GAP
+    assert milp_module._proven_gap(prob, "CBC", objective, hit_time_limit=False) == milp_module.MIP_GAP
 
 
 def test_infeasible_message_is_one_line_with_the_minimum_and_what_to_do():
@@ -210,10 +210,10 @@ def test_the_first_ilp_stops_at_its_node_limit_with_its_plan_and_proven_gap(monk
     assert any("stopped at its node limit" in r.getMessage() for r in caplog.records)
     assert simulate(g, [s.node_names for s in limited.segments]).peak_bytes <= budget
     assert not limited.hit_time_limit and "time limit" not in limited.summary()
-    assert limited.optimality_gap is not None and limited.optimality_gap > solve_module.MIP_GAP
+    assert limited.optimality_gap is not None and limited.optimality_gap > milp_module.MIP_GAP
     monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", None)
     unlimited = solve(g, budget, **options)
-    assert unlimited.optimality_gap is not None and unlimited.optimality_gap <= solve_module.MIP_GAP + 1e-9
+    assert unlimited.optimality_gap is not None and unlimited.optimality_gap <= milp_module.MIP_GAP + 1e-9
     assert unlimited.recompute_ms <= limited.recompute_ms + 1e-9
 
 
@@ -226,9 +226,9 @@ def test_a_node_limit_reached_before_any_plan_does_not_end_the_first_ilp():
     model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
     budget_mib = simulate(g).peak_bytes * 0.85 / MIB
     with pytest.raises(SolverError, match="found no feasible plan"):
-        solve_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1)
-    assert solve_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1, node_limit_needs_plan=True) is None
-    assert solve_module._solve_ilp(model, budget_mib, None, 60.0) is None
+        milp_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1)
+    assert milp_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1, node_limit_needs_plan=True) is None
+    assert milp_module._solve_ilp(model, budget_mib, None, 60.0) is None
 
 
 def test_an_infeasible_budget_bisects_only_above_what_the_exact_search_proved(monkeypatch):
@@ -277,7 +277,7 @@ def test_against_brute_force_on_random_dags_of_8_nodes():
                 continue
             assert best_cost is not None
             assert simulate(g, [s.node_names for s in plan.segments]).peak_bytes <= budget
-            matches += plan.recompute_ms <= best_cost * (1 + solve_module.MIP_GAP) + 1e-9
+            matches += plan.recompute_ms <= best_cost * (1 + milp_module.MIP_GAP) + 1e-9
     assert matches == cases, f"{matches} of {cases} plans match brute force"
 
 
@@ -298,7 +298,7 @@ def test_optimistic_account_never_exceeds_the_simulator(seed, n, picks):
     cost = sum(rerun_cost(g, seg)[0] for seg in segments)
     found = search_cheapest(g, stages, budget, math.inf, _highs_or_cbc, max_candidates=1000)
     assert found.proven and found.runs is not None
-    assert found.cost_ms <= cost * (1 + solve_module.MIP_GAP) + 1e-9
+    assert found.cost_ms <= cost * (1 + milp_module.MIP_GAP) + 1e-9
     replay = simulate(g, [[name for st in stages[a : b + 1] for name in st.node_names] for a, b in found.runs])
     assert replay.peak_bytes <= budget
 
@@ -450,11 +450,11 @@ def test_the_budget_an_infeasible_error_names_is_planned_when_passed_back(seed):
     message's GiB figure as a user would copy it, both plan."""
     g = random_dag(seed, 10)
     with pytest.raises(InfeasibleBudgetError) as info:
-        plan_for_budget(g, 1e-6, reserve_gb=1e-7)
+        plan_for_budget(g, 1e-6, PlanOptions(reserve_gb=1e-7))
     named_bytes = info.value.min_feasible_bytes
     printed_gb = float(re.search(r"smallest feasible budget is ([0-9.]+) GiB", str(info.value)).group(1))
     for budget_gb in (named_bytes / 2**30, printed_gb):
-        plan = plan_for_budget(g, budget_gb, reserve_gb=1e-7)
+        plan = plan_for_budget(g, budget_gb, PlanOptions(reserve_gb=1e-7))
         assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
@@ -759,7 +759,7 @@ def test_raised_targets_bisect_into_a_narrow_window_where_plans_fit(monkeypatch)
     budget = int(91_656_264 * 1.01)
     stages = build_stages(g, 32)
     model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
-    assert solve_module._solve_chain(model, budget / MIB) is None
+    assert stage_plans_module._solve_chain(model, budget / MIB) is None
     raised = solve_module._loosened(g, model, None, budget, unoptimized, 0.0)
     assert raised is not None
     assert raised.predicted_peak_bytes == simulate(g, [s.node_names for s in raised.segments]).peak_bytes <= budget

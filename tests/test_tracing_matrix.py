@@ -23,7 +23,7 @@ import torch
 import models
 import profiling.profile
 from planner import TraceError, simulate
-from planner.pipeline import optimize, plan_for_budget
+from planner.pipeline import PlanOptions, optimize, plan_for_budget
 from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
 from profiling.cache import cached_profile_graph, fingerprint, load_profile
 from profiling.measure import loss_of
@@ -166,8 +166,8 @@ def test_profile_cache_round_trip_and_same_plan(tmp_path, profile_calls):
     assert loaded.step_ms == first.cost_graph.step_ms
     assert loaded.measured_peak_bytes == first.cost_graph.measured_peak_bytes
     # the plan from the cached profile is the plan from the profile in memory
-    direct = plan_for_budget(first.cost_graph, 0.007, max_stages=SOLVE["max_stages"],
-                             time_limit_s=SOLVE["time_limit_s"], exact=False)
+    direct = plan_for_budget(first.cost_graph, 0.007, PlanOptions(max_stages=SOLVE["max_stages"],
+                             time_limit_s=SOLVE["time_limit_s"], exact=False))
     assert second.plan.segments == direct.segments
     assert second.plan.predicted_peak_bytes == direct.predicted_peak_bytes
 
@@ -220,7 +220,7 @@ def test_fake_profile_predicts_the_allocator_peak(name):
     fake = profile_graph(gm, example, fake=True)
     measured = measure_step_peak_bytes(gm, inputs)
     assert simulate(fake).peak_bytes == pytest.approx(measured, rel=TOLERANCE)
-    plan = plan_for_budget(fake, measured / 2 / GIB, max_stages=16, time_limit_s=30.0)
+    plan = plan_for_budget(fake, measured / 2 / GIB, PlanOptions(max_stages=16, time_limit_s=30.0))
     from rewrite.apply import apply_plan
 
     planned = measure_step_peak_bytes(apply_plan(gm, plan), inputs)
@@ -233,11 +233,11 @@ sys.path[:0] = [{root!r}, {root!r} + "/examples"]
 import torch
 import models
 from planner import simulate
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from profiling import profile_graph, trace_module
 model, example = models.gpt2_meta(batch=1, seq_len=4096)
 graph = profile_graph(trace_module(model, example), example, fake=True, target="h100")
-plan = plan_for_budget(graph, 80e9 / 2**30, max_stages=16, time_limit_s=30.0)
+plan = plan_for_budget(graph, 80e9 / 2**30, PlanOptions(max_stages=16, time_limit_s=30.0))
 print(json.dumps({{
     "parameters": sum(p.numel() for p in model.parameters()),
     "unoptimized_bytes": simulate(graph).peak_bytes,

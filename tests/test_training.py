@@ -20,7 +20,7 @@ from torch import nn
 
 from planner import InfeasibleBudgetError, PlannerError, optimize, simulate
 from planner.costgraph import protect_reads_before_writes, shard_parameters
-from planner.pipeline import plan_for_budget
+from planner.pipeline import PlanOptions, plan_for_budget
 from planner.plan import Plan, Segment
 from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
 from profiling.measure import loss_of
@@ -312,7 +312,7 @@ def test_gpt2_tied_embedding_stays_tied_and_trains_identically(gpt2_planned):
 def test_other_batch_size_replans_once_with_a_log_line_and_stays_under_budget(planned, caplog):
     model, inputs, opt, _ = planned
     small = (torch.randn(128, 64),)
-    with caplog.at_level(logging.INFO, logger="rewrite.apply"):
+    with caplog.at_level(logging.INFO, logger="rewrite.checkpointed_module"):
         opt(*small)
         opt(*small)
     lines = [r.getMessage() for r in caplog.records if "re-planning" in r.getMessage()]
@@ -529,11 +529,11 @@ def test_world_size_shards_parameters_and_their_gradients_in_the_memory_model():
     assert shard_parameters(graph, 2).persistent_bytes == graph.persistent_bytes - param_bytes // 2
     assert param_bytes // 2 <= one - two <= param_bytes  # half of the parameters, up to half of the grads
     budget_gb = 1.001 * two / 2**30  # the sharded step fits as it is; the unsharded one does not
-    assert plan_for_budget(graph, budget_gb, safety_margin=0.0, world_size=2).segments == ()
+    assert plan_for_budget(graph, budget_gb, PlanOptions(safety_margin=0.0, world_size=2)).segments == ()
     # unsharded, not even recomputing everything fits (exact=False: the smallest peak named
     # without the exact search's bisection, 1 s instead of 30; the same bytes on this graph)
     with pytest.raises(InfeasibleBudgetError) as unsharded:
-        plan_for_budget(graph, budget_gb, safety_margin=0.0, exact=False)
+        plan_for_budget(graph, budget_gb, PlanOptions(safety_margin=0.0, exact=False))
     assert two < budget_gb * 2**30 < unsharded.value.min_feasible_bytes < one
     with pytest.raises(PlannerError, match="world_size"):
         optimize(model, inputs, budget_gb=1.0, world_size=0)

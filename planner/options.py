@@ -1,0 +1,83 @@
+"""How to plan, whatever the budget: one object from ``optimize`` and the CLI to the solver.
+
+Example:
+    >>> PlanOptions(selective=True).max_stages
+    32
+    >>> PlanOptions(max_stages=0)
+    Traceback (most recent call last):
+    ...
+    planner.errors.InputError: max_stages must be a positive integer (32 by default), got 0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.errors import InputError, check_max_stages, check_time_limit
+
+__all__ = ["PlanOptions", "check_budget_gb", "MAX_PLAUSIBLE_BUDGET_GB"]
+
+#: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
+#: single accelerator holds a terabyte.
+MAX_PLAUSIBLE_BUDGET_GB = 1024.0
+
+GIB = 2**30
+
+
+def check_budget_gb(budget_gb: float, name: str = "budget_gb") -> int:
+    """``budget_gb`` in bytes, or :class:`InputError` for a value that cannot be a budget in GiB.
+
+    Example:
+        >>> check_budget_gb(0.5)
+        536870912
+    """
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+        raise InputError(f"{name} must be a number of GiB, got {type(budget_gb).__name__}")
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise InputError(f"{name} must be a positive finite number of GiB, got {budget_gb}")
+    if budget_gb > MAX_PLAUSIBLE_BUDGET_GB:
+        raise InputError(
+            f"{name}={budget_gb:g} looks like the wrong unit: it is in GiB (2**30 bytes), and no single "
+            f"device has more than {MAX_PLAUSIBLE_BUDGET_GB:g} GiB; for {budget_gb:g} MiB pass "
+            f"{name}={budget_gb / 1024:.4g}"
+        )
+    return int(budget_gb * GIB)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The planning options of :func:`planner.pipeline.optimize` (its docstring says what each
+    does), checked when made, so a bad one fails before any profiling.
+
+    ``reserve_gb``: room kept outside the plan; ``safety_margin``: share of the rest kept free;
+    ``max_stages``, ``solver``, ``time_limit_s``, ``selective``, ``exact``, ``max_solve_s``: see
+    :func:`planner.solve.solve`; ``world_size``: ranks the parameters are sharded over.
+    """
+
+    reserve_gb: float = 0.0
+    safety_margin: float = 0.01
+    max_stages: int = 32
+    solver: str | None = None
+    time_limit_s: float = 60.0
+    selective: bool = False
+    world_size: int = 1
+    exact: bool | None = None
+    max_solve_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.reserve_gb:
+            check_budget_gb(self.reserve_gb, "reserve_gb")
+        if isinstance(self.safety_margin, bool) or not isinstance(self.safety_margin, (int, float)) \
+                or not 0 <= self.safety_margin < 1:
+            raise InputError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
+        check_max_stages(self.max_stages)
+        check_time_limit(self.time_limit_s)
+        if self.max_solve_s is not None:
+            check_time_limit(self.max_solve_s, "max_solve_s")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise InputError(f"world_size must be a positive integer, got {self.world_size!r}")
+
+    @property
+    def reserve_bytes(self) -> int:
+        return check_budget_gb(self.reserve_gb, "reserve_gb") if self.reserve_gb else 0

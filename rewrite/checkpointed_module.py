@@ -1,0 +1,299 @@
+"""The module ``optimize`` returns: the rewritten graph in training, planned again for new inputs.
+
+:class:`CheckpointedModule` shares the user's module tree, keeps one :class:`PlannedVariant`
+per input signature, autocast state, set of submodules in eval mode and held gradients, and
+builds a missing one through its ``replan`` function (:data:`ReplanFunction`). Under FSDP2 it
+rebuilds a variant with each sharded unit's hooks around the unit's ops
+(:mod:`rewrite.units`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from planner.costgraph import CostGraph
+from planner.errors import PlannerError
+from planner.plan import Plan
+from profiling.measure import StepInputs
+from rewrite.attach import attach_to_user_modules
+from rewrite.segments import apply_plan, fresh_copy
+from rewrite.signature import autocast_state, describe_inputs, input_signature
+from rewrite.units import barrier_nodes, fsdp_unit_paths, insert_unit_hooks, unit_of_nodes
+
+__all__ = ["CheckpointedModule", "PlannedVariant", "ReplanFunction", "FSDP_UNITS_IN_FLIGHT"]
+
+log = logging.getLogger(__name__)
+
+#: With ``world_size`` > 1 and ``fully_shard`` on submodules, the plan holds this many times the
+#: largest unit's parameter bytes for FSDP2's buffers: the unit running (all-gather buffer and
+#: gathered parameters, in backward its unsharded gradients and their reduce-scatter copy) and
+#: the one prefetched (all-gather buffer and gathered parameters). Measured per rank (2 ranks,
+#: gloo, 4- and 8-block MLPs): 1.0 to 3.7 units above the sharded step's prediction.
+FSDP_UNITS_IN_FLIGHT = 4
+
+
+#: Builds the variant for inputs that were not planned: ``(model, inputs, cost_graph, grads_held)``
+#: → ``(graph_module, plan, cost_graph)``. ``cost_graph`` is None when the inputs must be
+#: profiled; otherwise it is the profile of the same shapes, re-solved for ``grads_held``.
+ReplanFunction = Callable[[torch.nn.Module, StepInputs, "CostGraph | None", bool], "tuple[torch.fx.GraphModule, Plan, CostGraph]"]
+
+
+@dataclass
+class PlannedVariant:
+    """One planned shape signature: the rewritten graph, its plan and the profile it came from."""
+
+    graph_module: torch.fx.GraphModule
+    plan: Plan
+    cost_graph: CostGraph | None
+
+
+def _parameter_bytes(module: torch.nn.Module) -> int:
+    """Unsharded bytes of a module's parameters (FSDP ``DTensor`` shards count in full)."""
+    total = 0
+    for p in module.parameters():
+        total += p.numel() * p.element_size()  # a DTensor reports its global shape
+    return total
+
+
+def _format_bytes(size_bytes: int) -> str:
+    if size_bytes >= 2**30:
+        return f"{size_bytes / 2**30:.3f} GiB"
+    return f"{size_bytes / 2**20:.1f} MiB"
+
+
+def _distributed_world_size() -> int:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+class CheckpointedModule(torch.nn.Module):
+    """The module ``optimize`` returns: the rewritten graph in training, the user's own module
+    in eval mode (``opt.eval()`` or ``model.eval()``: the graph is specialised to training).
+
+    Its module tree *is* the user's (the same child modules, parameter and buffer dicts), so
+    ``state_dict()`` keys, parameter objects, DDP and FSDP see the user's model; the graph reads
+    its parameters through those same modules. ``plan`` is the plan for the example inputs.
+
+    Inputs with another shape signature (batch size, sequence length, dtype), another autocast
+    state, submodules switched to eval mode (frozen BatchNorm), or parameters whose ``.grad``
+    already exists (gradient accumulation) are planned
+    again for the same budget by ``replan`` (one INFO log line, then cached); without
+    ``replan`` they raise :class:`PlannerError`. Profiling new shapes runs a backward, so under
+    ``torch.distributed`` it is refused: plan each shape before wrapping (:meth:`plan_for`).
+
+    Example:
+        >>> import torch
+        >>> from planner import optimize
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        >>> opt = optimize(model, (torch.randn(8, 16),), budget_gb=1.0)
+        >>> list(opt.state_dict()) == list(model.state_dict())
+        True
+        >>> opt(torch.randn(4, 16)).shape   # another batch size: re-planned for the same budget
+        torch.Size([4, 16])
+    """
+
+    def __init__(
+        self,
+        graph_module: torch.fx.GraphModule,
+        original: torch.nn.Module,
+        plan: Plan,
+        *,
+        cost_graph: CostGraph | None = None,
+        example_inputs: Any = None,
+        replan: ReplanFunction | None = None,
+    ) -> None:
+        super().__init__()
+        object.__setattr__(self, "original", original)
+        object.__setattr__(self, "replan", replan)
+        if attach_to_user_modules(graph_module, original):
+            tree: torch.nn.Module = original
+        else:
+            log.debug("the captured graph names attributes the model does not have; keeping its own module tree")
+            tree = graph_module
+        self._modules = tree._modules
+        self._parameters = tree._parameters
+        self._buffers = tree._buffers
+        self._non_persistent_buffers_set = tree._non_persistent_buffers_set
+        object.__setattr__(self, "graph_module", graph_module)  # not a child: no new state_dict keys
+        object.__setattr__(self, "_variants", {})
+        object.__setattr__(self, "_profiles", {})
+        object.__setattr__(self, "_unit_variants", {})
+        self.plan = plan
+        self.cost_graph = cost_graph
+        self._planned_key: tuple[Any, ...] | None = None
+        if example_inputs is not None:
+            inputs = StepInputs.from_example(example_inputs)
+            self._planned_key = self._key(inputs, grads_held=False)
+            self._remember(self._planned_key, PlannedVariant(graph_module, plan, cost_graph), inputs)
+        self.train(original.training)
+
+    def train(self, mode: bool = True) -> "CheckpointedModule":
+        super().train(mode)
+        self.original.train(mode)
+        return self
+
+    def _key(self, inputs: StepInputs, grads_held: bool | None = None) -> tuple[Any, ...]:
+        """What a plan depends on: input signature, autocast state, the submodules in eval mode
+        (traced as such) and whether parameter gradients already exist."""
+        if grads_held is None:
+            grads_held = any(p.grad is not None for p in self.parameters())
+        in_eval = tuple(name for name, m in self.original.named_modules() if not m.training)
+        return (input_signature(inputs), autocast_state(), in_eval, grads_held)
+
+    def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
+        self._variants[key] = variant
+        if variant.cost_graph is not None:
+            self._profiles[key[:3]] = (variant.cost_graph, describe_inputs(inputs))
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        """Every plan made so far, by a readable description of what it was made for."""
+        out = {}
+        for (signature, autocast, in_eval, grads_held), variant in self._variants.items():
+            shapes = self._profiles.get((signature, autocast, in_eval), (None, "example inputs"))[1]
+            notes = [f"autocast {d}:{t.replace('torch.', '')}" for d, t in autocast]
+            notes += [f"{len(in_eval)} modules in eval mode"] if in_eval else []
+            notes += ["grads held"] if grads_held else []
+            out[f"{shapes}{' (' + ', '.join(notes) + ')' if notes else ''}"] = variant.plan
+        return out
+
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
+        """The plan used for inputs like ``args``/``kwargs`` in the current autocast state and
+        with the parameters' current ``.grad``; plans them (profiling one step) if needed.
+
+        Call it before wrapping with DDP or FSDP for each batch shape you will train on: unlike a
+        forward, it profiles new shapes under ``torch.distributed`` too.
+
+        Example:
+            >>> from planner import optimize
+            >>> opt = optimize(torch.nn.Linear(8, 8), (torch.randn(4, 8),), budget_gb=1.0)
+            >>> opt.plan_for(torch.randn(2, 8)).segments
+            ()
+        """
+        return self._variant(StepInputs(args, kwargs), explicit=True).plan
+
+    @torch.compiler.disable
+    def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
+        key = self._key(inputs)
+        variant = self._planned_variant(key, inputs, explicit)
+        units = fsdp_unit_paths(self) if _distributed_world_size() > 1 else ()
+        return self._with_units(key, variant, units) if units else variant
+
+    def _with_units(self, key: tuple[Any, ...], variant: PlannedVariant, units: tuple[str, ...]) -> PlannedVariant:
+        """``variant`` rebuilt with the FSDP hooks of ``units`` (submodules wrapped by
+        ``fully_shard``) around their ops, re-solved if a segment spanned two units."""
+        cached = self._unit_variants.get((key, units))
+        if cached is not None:
+            return cached
+        gm = fresh_copy(variant.graph_module)
+        attach_to_user_modules(gm, self.original)
+        plan = variant.plan
+        owner = unit_of_nodes(gm.graph, units)
+        straddles = any(len({owner.get(name, "") for name in seg.node_names}) > 1 for seg in plan.segments)
+        sharded = getattr(self.replan, "world_size", 1) > 1
+        if straddles or sharded:
+            solve = getattr(self.replan, "solve", None)
+            if solve is None or variant.cost_graph is None:
+                raise PlannerError(f"a checkpointed segment spans two of the FSDP units {units[:3]} and this "
+                                   f"module cannot re-plan; use optimize()")
+            in_flight = FSDP_UNITS_IN_FLIGHT * max(_parameter_bytes(self.get_submodule(u)) for u in units)
+            plan = solve(variant.cost_graph, grads_held=key[3], keep=barrier_nodes(gm.graph, units),
+                         extra_bytes=in_flight if sharded else 0)
+            log.info("re-planned for %d FSDP units: no segment spans two units%s; %d segments", len(units),
+                     f", {_format_bytes(in_flight)} for the units in flight" if sharded else "", len(plan.segments))
+        insert_unit_hooks(gm, self.original, units)
+        unit_variant = PlannedVariant(apply_plan(gm, plan), plan, variant.cost_graph)
+        self._unit_variants[(key, units)] = unit_variant
+        return unit_variant
+
+    def _planned_variant(self, key: tuple[Any, ...], inputs: StepInputs, explicit: bool) -> PlannedVariant:
+        if self._planned_key is None:  # built without example inputs: the first call is the planned one
+            self._planned_key = key
+            self._variants[key] = PlannedVariant(self.graph_module, self.plan, self.cost_graph)
+        variant = self._variants.get(key)
+        if variant is not None:
+            return variant
+        grads_held = key[3]
+        profile = self._profiles.get(key[:3])
+        reason = self._why(key, inputs)
+        if self.replan is None:
+            planned = self._planned_key
+            if planned is not None and key[0] == planned[0] and key[2] == planned[2]:
+                # same graph; only autocast or held gradients differ: it runs, but the peak was
+                # planned for another memory picture
+                log.debug("no re-planning without replan: %s", reason)
+                return self._variants[planned]
+            raise PlannerError(f"this module was planned for other inputs ({reason}) and cannot re-plan; "
+                               f"call optimize() with these inputs")
+        if profile is None and torch._C._autograd._profiler_enabled():
+            raise PlannerError(
+                f"inputs not planned yet ({reason}) while torch.profiler is recording: planning them profiles "
+                f"a step with the profiler, which would end your session. Plan them first: opt.plan_for(*batch)"
+            )
+        if profile is None and not explicit and _distributed_world_size() > 1:
+            raise PlannerError(
+                f"inputs not planned yet ({reason}) under torch.distributed: profiling them would run a "
+                f"backward through DDP/FSDP hooks on one rank. Plan every batch shape before wrapping the "
+                f"module (opt.plan_for(*batch) for each), or keep the batch shape fixed (drop_last=True)"
+            )
+        log.info("re-planning for the same budget (%s): %s", _format_bytes(self.plan.budget_bytes), reason)
+        same_graph = [v for k, v in self._variants.items() if k[:3] == key[:3]]
+        solve = getattr(self.replan, "solve", None)
+        if profile is not None and same_graph and solve is not None:
+            # same shapes: solve again and rewrite the captured graph; no tracing or profiling
+            plan, graph = solve(profile[0], grads_held=grads_held), profile[0]
+            gm = apply_plan(fresh_copy(same_graph[0].graph_module), plan)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                gm, plan, graph = self.replan(self.original, inputs, profile[0] if profile else None, grads_held)
+        if not attach_to_user_modules(gm, self.original):
+            log.debug("re-planned graph keeps its own module tree")
+        variant = PlannedVariant(gm, plan, graph)
+        self._remember(key, variant, inputs)
+        return variant
+
+    def _why(self, key: tuple[Any, ...], inputs: StepInputs) -> str:
+        """One phrase saying what differs from the inputs already planned."""
+        signature, autocast, in_eval, grads_held = key
+        planned = self._planned_key
+        if planned is not None and signature != planned[0] and key[:3] not in self._profiles:
+            before = self._profiles.get(planned[:3], (None, "the example inputs"))[1]
+            return f"inputs {describe_inputs(inputs)} (planned for {before})"
+        if planned is not None and autocast != planned[1]:
+            state = ", ".join(f"{d} {t.replace('torch.', '')}" for d, t in autocast) or "off"
+            return f"autocast {state} (planned with {', '.join(d for d, _ in planned[1]) or 'autocast off'})"
+        if planned is not None and in_eval != planned[2]:
+            names = ", ".join(in_eval[:3]) + (", ..." if len(in_eval) > 3 else "")
+            return f"submodules in eval mode: {names or 'none'} (planned with {len(planned[2])} in eval mode)"
+        if grads_held:
+            return "parameter gradients already exist (gradient accumulation): they are held all step"
+        return f"inputs {describe_inputs(inputs)}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.original.training:  # opt.eval() or model.eval(): the user's own module
+            return self.original(*args, **kwargs)
+        return self._variant(StepInputs(args, kwargs)).graph_module(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        with warnings.catch_warnings():  # torch's own pytree spec copy warns about LeafSpec
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            for name, value in self.__dict__.items():
+                object.__setattr__(new, name, copy.deepcopy(value, memo))
+        for variant in (*new._variants.values(), *new._unit_variants.values()):
+            attach_to_user_modules(variant.graph_module, new.original)
+        if not new._variants:
+            attach_to_user_modules(new.graph_module, new.original)
+        return new

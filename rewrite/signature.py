@@ -1,0 +1,70 @@
+"""What a rewritten graph is specialised to, and how to name it in a log line.
+
+A captured graph holds its input shapes, dtypes and non-tensor values as constants, and a plan
+depends on the autocast state it was profiled under: :class:`rewrite.checkpointed_module.CheckpointedModule`
+keys its planned variants on :func:`input_signature` and :func:`autocast_state`, and names
+inputs with :func:`describe_inputs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+
+from profiling.measure import StepInputs
+
+__all__ = ["input_signature", "describe_inputs", "autocast_state"]
+
+
+def input_signature(inputs: StepInputs) -> tuple[Any, ...]:
+    """What a captured graph is specialised to: the input structure, each tensor's shape, dtype
+    and device, and the value of every non-tensor input.
+
+    Example:
+        >>> import torch
+        >>> a = input_signature(StepInputs.from_example((torch.ones(8, 4),)))
+        >>> a == input_signature(StepInputs.from_example((torch.zeros(8, 4),)))
+        True
+        >>> a == input_signature(StepInputs.from_example((torch.ones(2, 4),)))
+        False
+    """
+    leaves, spec = tree_flatten((inputs.args, inputs.kwargs))
+    parts: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), str(leaf.dtype), leaf.device.type))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            parts.append(leaf)
+        else:
+            parts.append(type(leaf).__qualname__)
+    return (str(spec), tuple(parts))
+
+
+def describe_inputs(inputs: StepInputs) -> str:
+    """Shapes and dtypes of the tensor inputs, e.g. ``"arg0=8x64 float32"``.
+
+    Example:
+        >>> import torch
+        >>> describe_inputs(StepInputs.from_example({"input_ids": torch.ones(2, 16, dtype=torch.long)}))
+        'input_ids=2x16 int64'
+    """
+    parts = []
+    for path, leaf in tree_flatten_with_path((inputs.args, inputs.kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        first = path[1] if len(path) > 1 else None
+        if hasattr(first, "key"):  # a keyword argument
+            name = f"{first.key}{keystr(path[2:])}"
+        else:
+            name = f"arg{getattr(first, 'idx', 0)}{keystr(path[2:])}"
+        shape = "x".join(str(d) for d in leaf.shape) or "scalar"
+        parts.append(f"{name}={shape} {str(leaf.dtype).replace('torch.', '')}")
+    return ", ".join(parts) or "no tensors"
+
+
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """The autocast devices and dtypes active now (part of what a plan was profiled under)."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return tuple((d, str(torch.get_autocast_dtype(d))) for d in devices if torch.is_autocast_enabled(d))
