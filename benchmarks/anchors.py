@@ -57,8 +57,8 @@ from common import (DOCS_DIR, GIB, MIB, ROOT, add_docs_argument, checkpoint_ever
 from models import ResidualMLP, bert, cnn, gpt2, llama, vit  # noqa: E402
 
 from planner import InfeasibleBudgetError, optimize  # noqa: E402
-from planner.costgraph import protect_reads_before_writes  # noqa: E402
-from planner.plan import Plan  # noqa: E402
+from planner.core.costgraph import protect_reads_before_writes  # noqa: E402
+from planner.core.plan import Plan  # noqa: E402
 from planner.sweep import sweep  # noqa: E402
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, run_step  # noqa: E402
 from profiling.cache import cached_profile_graph  # noqa: E402

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from graphs import random_dag  # noqa: E402
 
 from planner import InfeasibleBudgetError, simulate, solve  # noqa: E402
-from planner.costgraph import CostGraph  # noqa: E402
-from planner.rerun import rerun_cost  # noqa: E402
+from planner.core.costgraph import CostGraph  # noqa: E402
+from planner.core.rerun import rerun_cost  # noqa: E402
 from publish import publish_doc, tee_stdout  # noqa: E402
 
 #: budgets between the smallest feasible peak (0) and the unoptimized peak (1)
@@ -93,7 +93,7 @@ def main() -> None:
 
 def table(node_counts: list[int], seeds: int) -> None:
     """Print the table, a row per graph size as it is done."""
-    gap = importlib.import_module("planner.solve").MIP_GAP
+    gap = importlib.import_module("planner.solvers.solve").MIP_GAP
     print("| nodes | cases | planner matches brute force (within the gap) | planner refuses a feasible budget "
           "| worst cost ratio | brute force per graph | planner per solve (median) |")
     print("|---|---|---|---|---|---|---|")

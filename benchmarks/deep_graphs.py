@@ -24,7 +24,7 @@ from common import ROOT, add_docs_argument, benchmark_logging, publish_table
 from models import gpt2
 
 from planner import simulate
-from planner.solve import solve
+from planner.solvers.solve import solve
 from profiling import profile_graph, trace_module
 
 log = logging.getLogger("deep_graphs")
@@ -36,7 +36,7 @@ GPT-2-style graphs (HuggingFace `GPT2LMHeadModel`, width 256, batch 4 x 128) of 
 layers, captured with `torch.export` and profiled on fake tensors: op times from the roofline,
 no memory allocated. Budgets are fractions of the simulated unoptimized peak. Each cell gives
 the predicted recompute time as a share of the profiled step for two configurations of
-`planner.solve.solve`: "single finer pass (before)" is `finer_rounds=1, short_segments=False`
+`planner.solvers.solve.solve`: "single finer pass (before)" is `finer_rounds=1, short_segments=False`
 (one finer pass on about twice the first stages); the figure after the arrow is the defaults
 (finer rounds, short-segment and finest starts, see
 [How the planner decides](../design.md#how-the-planner-decides)). The figures are

@@ -3,7 +3,7 @@
 A 12-layer GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256; about 550 compute nodes) is
 profiled once. At each budget (a fraction of the measured unoptimized peak) the planner solves
 with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the first stages, the
-default before) and with the defaults (:data:`planner.solve.FINER_PASS_ROUNDS` rounds, and the
+default before) and with the defaults (:data:`planner.solvers.solve.FINER_PASS_ROUNDS` rounds, and the
 short-segments start), as ``optimize`` plans (1 % safety margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
 as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
 process).
@@ -13,7 +13,7 @@ process).
 ``--docs`` also writes the table to ``docs/benchmarks/finer_rounds.md``. With ``--layers`` other
 than 12 the table goes to ``finer_rounds_<layers>.md`` in both places (``--layers 24``: about
 1,000 compute nodes, where short segments also start from more stages,
-:func:`planner.solve.short_segment_shapes`).
+:func:`planner.solvers.solve.short_segment_shapes`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from common import add_output_arguments, GIB, MIB, benchmark_logging, publish_ta
 from models import gpt2
 
 from planner import optimize
-from planner.costgraph import CostGraph, protect_reads_before_writes
-from planner.plan import Plan
-from planner.solve import FINER_PASS_ROUNDS, solve
+from planner.core.costgraph import CostGraph, protect_reads_before_writes
+from planner.core.plan import Plan
+from planner.solvers.solve import FINER_PASS_ROUNDS, solve
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, trace_module
 from rewrite.apply import CheckpointedModule, apply_plan
 

@@ -11,7 +11,7 @@ a ratio to the unoptimized step (interleaved repeats in one process, median).
 Bars: at every-layer's peak, extra step time at most 60 % of every-layer's extra time and
 extra FLOPs at most 70 % of its extra FLOPs; at 50 %, extra step time at most 10 %; every
 measured peak within its budget. Each plan row also gives the planner's predicted overhead
-and ``planner.bounds.recompute_lower_bound_ms`` for its budget, both in the profile's time
+and ``planner.bounds.covering.recompute_lower_bound_ms`` for its budget, both in the profile's time
 (sum of per-node forward times over the profiled step), on the graph the planner plans (reads
 protected from later in-place writes): no plan, kept outputs included, can predict less than
 the bound. At every-layer's peak the verdict also gives the bound as a share
@@ -44,8 +44,8 @@ from common import (GIB, MIB, ROOT, add_docs_argument, benchmark_logging, checkp
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
-from planner.bounds import recompute_lower_bound_ms
-from planner.costgraph import CostGraph, protect_reads_before_writes
+from planner.bounds.covering import recompute_lower_bound_ms
+from planner.core.costgraph import CostGraph, protect_reads_before_writes
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes
 
 log = logging.getLogger("quality")
@@ -89,7 +89,7 @@ planner finds is planned at the smallest feasible budget instead, marked "smalle
   (CUDA events on a GPU). On a shared machine differences of a few percent are noise.
 - **predicted overhead**: the plan's predicted recompute time over the profiled step (the
   profile's summed node times).
-- **lower bound**: the covering bound of `planner/bounds.py` at that budget, in the same terms:
+- **lower bound**: the covering bound of `planner/bounds/covering.py` at that budget, in the same terms:
   no plan, kept outputs included, predicts less. [reach.md](reach.md) gives tighter bounds.
 - **verdict**: the bars. At every-layer's peak, extra step time at most 60 % of every-layer's
   and extra FLOPs at most 70 % of every-layer's; at 50 %, extra step time at most 10 %. At

@@ -3,7 +3,7 @@
 For each model of ``benchmarks/quality.py``: the unoptimized peak and checkpoint-every-layer's
 peak measured at the allocator, one profile, and at each target (every-layer's peak, and 50 %
 of the unoptimized peak) the planner's plans (``plan_for_budget``, as ``optimize`` plans, with
-and without ``selective``) and ``planner.reach.recompute_bound``: the least recompute any plan
+and without ``selective``) and ``planner.bounds.reach.recompute_bound``: the least recompute any plan
 fitting the budget needs by the profile's account, kept outputs included (time, and at
 every-layer's peak FLOPs too), the largest of the covering bound, the segment covering bound
 and HiGHS's bound on the optimistic account over every compute node; and the same over plans
@@ -13,7 +13,7 @@ more. Bars in the profile's terms:
 
 * 50 %: the bound over the profiled step must not exceed 10 %;
 * every-layer's peak: the time bound must not exceed 60 % of every-layer's own recompute time,
-  and the FLOP bound 70 % of its recomputed FLOPs (both priced by ``planner.rerun`` on the
+  and the FLOP bound 70 % of its recomputed FLOPs (both priced by ``planner.core.rerun`` on the
   same profile; every-layer's segments are the layers' recomputable nodes).
 
 A bound above the bar means no plan the planner can emit meets it by the profile's account:
@@ -43,12 +43,12 @@ from common import GIB, MIB, benchmark_logging, checkpoint_every_k, find_layers,
 from quality import MODELS
 
 from planner import InfeasibleBudgetError, optimize
-from planner.bounds import LowerBound
-from planner.costgraph import CostGraph, protect_reads_before_writes
+from planner.bounds.covering import LowerBound
+from planner.core.costgraph import CostGraph, protect_reads_before_writes
 from planner.pipeline import PlanOptions, plan_for_budget
-from planner.reach import RecomputeBound, recompute_bound
-from planner.segment_covering import segment_covering_bound
-from planner.rerun import rerun_cost
+from planner.bounds.reach import RecomputeBound, recompute_bound
+from planner.bounds.segment_covering import segment_covering_bound
+from planner.core.rerun import rerun_cost
 from profiling import StepInputs, measure_step_peak_bytes
 
 log = logging.getLogger("reach")
@@ -62,18 +62,18 @@ budgets measured at the allocator (checkpoint-every-layer's peak, and half the u
 peak), the planner's plans at them and proven lower bounds on the recompute of every plan that
 fits, all in the profile's terms (summed node times over the profiled step; FLOPs as
 `FlopCounterMode` counts them). Every-layer's own recompute is priced on the same profile
-(`planner.rerun`, its layers' nodes as segments).
+(`planner.core.rerun`, its layers' nodes as segments).
 
 A bound is the largest of three, each at most the recompute of the cheapest plan that fits:
 
-- **the covering bound** (`planner/bounds.py`): one binary per node ("runs again in a
+- **the covering bound** (`planner/bounds/covering.py`): one binary per node ("runs again in a
   recompute") and one covering constraint per moment over the budget; seconds at most;
-- **the segment covering bound** (`planner/segment_covering.py`): the covering bound plus
+- **the segment covering bound** (`planner/bounds/segment_covering.py`): the covering bound plus
   segment breaks, so it knows that a recompute restores what its segment saved while its
   backward runs; tighter over plans of whole segments, at minutes of HiGHS;
-- **the account** (`planner/reach.py`): the exact search's optimistic memory account with every
+- **the account** (`planner/bounds/reach.py`): the exact search's optimistic memory account with every
   compute node as its own stage, and by default a keep decision per node
-  (`planner/kept_account.py`); HiGHS's best bound within the time limit, or CBC's LP
+  (`planner/bounds/kept_account.py`); HiGHS's best bound within the time limit, or CBC's LP
   relaxation. An infeasible account proves that no plan fits.
 
 "bound, whole segments" covers plans of whole segments (the default, `selective=False`); "bound,

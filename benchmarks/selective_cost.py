@@ -25,7 +25,7 @@ from common import GIB, add_docs_argument, benchmark_logging, publish_doc, step_
 from models import gpt2
 
 from planner import optimize
-from planner.keep import policy_ms, segment_with_kept
+from planner.solvers.keep import policy_ms, segment_with_kept
 from profiling import StepInputs, measure_step_peak_bytes, trace_module
 from rewrite.apply import CheckpointedModule, apply_plan
 

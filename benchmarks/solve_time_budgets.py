@@ -4,7 +4,7 @@ before the chain DP).
 
 ``benchmarks/solve_time.py`` times one budget (half the peak); solve time moves a lot with
 the budget. This script solves GPT-2-style graphs at several budgets, twice each: with the
-defaults (``solver=None``: :mod:`planner.chain_dp` for the first plan, the finer rounds and the
+defaults (``solver=None``: :mod:`planner.solvers.chain_dp` for the first plan, the finer rounds and the
 short-segment starts) and with ``solver="HiGHS"`` (every stage model through the MILP, its
 node limits and 1 % gap), and reports both solve times, both plans' predicted recompute and
 whether the plans are the same; and the default solve with ``selective=True`` (kept outputs,
@@ -36,9 +36,9 @@ from common import add_output_arguments, benchmark_logging, publish_table
 from models import gpt2
 
 from planner import simulate, solve
-from planner.costgraph import CostGraph
-from planner.errors import InfeasibleBudgetError
-from planner.plan import Plan
+from planner.core.costgraph import CostGraph
+from planner.core.errors import InfeasibleBudgetError
+from planner.core.plan import Plan
 from profiling import profile_graph, trace_module
 
 log = logging.getLogger("solve_time_budgets")

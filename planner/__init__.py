@@ -16,16 +16,16 @@ from typing import Any
 
 # First, before any module below imports PuLP: load it and drop the tracebacks it keeps, which
 # would otherwise pin the frames (and the locals) of whoever imports planner first.
-from planner.pulp_tracebacks import release_pulp_import_tracebacks  # isort: skip
+from planner.milp.pulp_tracebacks import release_pulp_import_tracebacks  # isort: skip
 
 release_pulp_import_tracebacks()
 
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, SolverError, TraceError
-from planner.plan import Plan, Segment
-from planner.reach import RecomputeBound, recompute_bound
-from planner.simulate import SimulationResult, simulate
-from planner.solve import available_solvers, minimum_peak_plan, solve
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, SolverError, TraceError
+from planner.core.plan import Plan, Segment
+from planner.bounds.reach import RecomputeBound, recompute_bound
+from planner.core.simulate import SimulationResult, simulate
+from planner.solvers.solve import available_solvers, minimum_peak_plan, solve
 
 __all__ = [
     "CostGraph",

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
-from planner.costgraph import CostGraph
-from planner.errors import PlannerError
-from planner.plan import Plan
-from planner.simulate import simulate
+from planner.core.costgraph import CostGraph
+from planner.core.errors import PlannerError
+from planner.core.plan import Plan
+from planner.core.simulate import simulate
 
 __all__ = [
     "BASELINE_FORMAT",

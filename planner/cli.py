@@ -9,7 +9,7 @@
 directory, or, with ``--trust-pickle``, a whole pickled module), profiles one training step and
 reports the unoptimized peak, the plan at the budget, the largest activations and, with
 ``--sweep``, the memory/overhead Pareto front, and a lower bound on the recompute time any plan
-needs at the budget (:mod:`planner.reach`: the covering bound, or with ``--bound-s`` also the
+needs at the budget (:mod:`planner.bounds.reach`: the covering bound, or with ``--bound-s`` also the
 segment covering bound and the segment account, each solved for up to that long; ``--no-bound``
 leaves it out). ``plan`` does the same planning for a Python
 entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
@@ -38,8 +38,8 @@ from typing import Any
 from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
 from planner.cli_messages import command_logging, for_the_command_line
-from planner.errors import InfeasibleBudgetError, PlannerError
-from planner.options import PlanOptions
+from planner.core.errors import InfeasibleBudgetError, PlannerError
+from planner.core.options import PlanOptions
 
 __all__ = ["main", "load_entry_point"]
 
@@ -228,8 +228,8 @@ def _report_command(args: argparse.Namespace) -> int:
              if args.sweep else [])
     bound = None
     if not args.no_bound:
-        from planner.costgraph import protect_reads_before_writes
-        from planner.reach import COVERING_TIME_LIMIT_S, recompute_bound
+        from planner.core.costgraph import protect_reads_before_writes
+        from planner.bounds.reach import COVERING_TIME_LIMIT_S, recompute_bound
 
         bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
                                 time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)

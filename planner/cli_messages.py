@@ -13,8 +13,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from planner.errors import InputError
-from planner.options import MAX_PLAUSIBLE_BUDGET_GB, check_budget_gb
+from planner.core.errors import InputError
+from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, check_budget_gb
 
 __all__ = [
     "EXIT_OK", "EXIT_REGRESSION", "EXIT_USAGE", "EXIT_INFEASIBLE", "MIN_PLAUSIBLE_BUDGET_BYTES",
@@ -50,7 +50,7 @@ def check_budgets(args: argparse.Namespace) -> None:
 
 def check_budget(budget_gb: float) -> None:
     """Raise :class:`InputError` for a ``--budget-gb`` no plan can be made for, before anything
-    is loaded: the checks of :func:`planner.options.check_budget_gb`, worded for the command line;
+    is loaded: the checks of :func:`planner.core.options.check_budget_gb`, worded for the command line;
     a value that looks like another unit gets a suggested ``--budget-gb`` only where that value
     would itself be accepted."""
     if math.isfinite(budget_gb) and budget_gb > MAX_PLAUSIBLE_BUDGET_GB:

@@ -20,17 +20,17 @@ import logging
 import math
 from typing import Any
 
-from planner.costgraph import (
+from planner.core.costgraph import (
     CostGraph,
     Storage,
     hold_parameter_grads,
     protect_reads_before_writes,
     shard_parameters,
 )
-from planner.errors import InfeasibleBudgetError, InputError, PlannerError
-from planner.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
-from planner.plan import GIB, Plan
-from planner.solve import solve
+from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError
+from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
+from planner.core.plan import GIB, Plan
+from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.progress import heartbeat
 from profiling.trace import TRACE_METHODS, trace_module
@@ -63,11 +63,11 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     :class:`InfeasibleBudgetError` naming the smallest ``budget_gb`` (in bytes) that works.
 
     ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
-    sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.costgraph.shard_parameters`);
+    sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.core.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 2**20, True),))
         >>> plan_for_budget(g, 1.0, PlanOptions(safety_margin=0.0)).segments
@@ -158,7 +158,7 @@ def optimize(
             ``budget * (1 - safety_margin)``.
         selective: after choosing segments, decide node by node which outputs inside them
             are kept from the forward (a selective checkpoint policy) instead of recomputed,
-            by measured time per byte held (:mod:`planner.keep`), in segments where keeping
+            by measured time per byte held (:mod:`planner.solvers.keep`), in segments where keeping
             saves more than the policy's own per-node cost (measured by the profiler). Fewer
             recomputed FLOPs; slower to plan (a second ILP for the smallest-peak segments); see
             docs/benchmarks/selective_cost.md for what it measured.
@@ -170,7 +170,7 @@ def optimize(
             profiling and solving is logged at INFO either way.
         exact: after the ILP, search an optimistic memory account checked against the simulator
             until it proves the plan the cheapest over the stages or finds a cheaper one
-            (:mod:`planner.relaxation`). None (default): on graphs of fewer than 64 compute
+            (:mod:`planner.solvers.relaxation`). None (default): on graphs of fewer than 64 compute
             nodes, where it is fast, and on graphs under 512 where the ILP's plan leaves more
             than 1 % of the budget unused (up to 30 s; 14 to 22 % less recompute on the quality
             models where it ran); True: always, which on a real model whose ILP plan fills the

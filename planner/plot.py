@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.errors import PlannerError
+from planner.core.errors import PlannerError
 from planner.report import Report
 
 __all__ = ["plot_report", "distinct_mib_labels"]

@@ -2,13 +2,13 @@
 
 ``build_report`` gathers the unoptimized peak and where it happens, the plan at the budget,
 the largest saved activations by node and by module, and optionally a sweep's Pareto front and
-a proven lower bound on the recompute time of every plan at the budget (:mod:`planner.reach`);
+a proven lower bound on the recompute time of every plan at the budget (:mod:`planner.bounds.reach`);
 ``render`` writes it as a terminal table, markdown, JSON or CSV. Standard library only
 (pandas for CSV).
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.solve import solve
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.solvers.solve import solve
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 5):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from planner.costgraph import CostGraph
-from planner.plan import Plan, describe_segments, format_ms, rerun_nodes
-from planner.simulate import SimulationResult, simulate
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Plan, describe_segments, format_ms, rerun_nodes
+from planner.core.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
 
 if TYPE_CHECKING:  # pragma: no cover
-    from planner.reach import RecomputeBound
+    from planner.bounds.reach import RecomputeBound
 
 __all__ = ["Report", "build_report", "render", "REPORT_FORMATS"]
 
@@ -127,7 +127,7 @@ def build_report(
     bound: RecomputeBound | None = None,
 ) -> Report:
     """Gather the report for ``plan`` (made from ``graph``), an optional sweep and an optional
-    lower bound (:func:`planner.reach.recompute_bound` at the plan's budget)."""
+    lower bound (:func:`planner.bounds.reach.recompute_bound` at the plan's budget)."""
     unoptimized = simulate(graph)
     planned = simulate(graph, [s.node_names for s in plan.segments])
     saved = graph.saved_bytes_by_node()

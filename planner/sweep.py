@@ -1,7 +1,7 @@
 """Plans for many budgets from one profile: the memory/overhead Pareto front.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 9):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
@@ -20,11 +20,11 @@ import logging
 import math
 from collections.abc import Sequence
 
-from planner.costgraph import CostGraph
-from planner.errors import InfeasibleBudgetError
-from planner.plan import Plan
-from planner.simulate import simulate
-from planner.solve import minimum_peak_plan, solve
+from planner.core.costgraph import CostGraph
+from planner.core.errors import InfeasibleBudgetError
+from planner.core.plan import Plan
+from planner.core.simulate import simulate
+from planner.solvers.solve import minimum_peak_plan, solve
 
 __all__ = ["sweep", "pareto_front", "SWEEP_MAX_SOLVE_S", "SWEEP_TIME_LIMIT_S"]
 
@@ -56,7 +56,7 @@ def sweep(
     costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
     used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
     ``safety_margin`` below its budget (allocator rounding the profile does not see).
-    ``max_solve_s`` bounds each budget's solve (:func:`planner.solve.solve`; default
+    ``max_solve_s`` bounds each budget's solve (:func:`planner.solvers.solve.solve`; default
     :data:`SWEEP_MAX_SOLVE_S`), and each ILP runs for at most :data:`SWEEP_TIME_LIMIT_S`.
     """
     if not 0 <= safety_margin < 1:

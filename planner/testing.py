@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.errors import InputError
-from planner.options import check_budget_gb
-from planner.plan import GIB
-from planner.simulate import simulate
+from planner.core.errors import InputError
+from planner.core.options import check_budget_gb
+from planner.core.plan import GIB
+from planner.core.simulate import simulate
 from profiling.profile import profile_graph
 from profiling.trace import trace_module
 from profiling.validate import check_model_and_inputs
@@ -38,7 +38,7 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
 
     Arguments are checked first, as :func:`planner.optimize` checks its own: a ``max_gb`` that is
     not a positive finite number of GiB, or a model in eval mode, raises
-    :class:`planner.errors.InputError` (a ``ValueError``) instead of a test that passes or fails
+    :class:`planner.core.errors.InputError` (a ``ValueError``) instead of a test that passes or fails
     for the wrong reason.
 
     Example:
@@ -48,7 +48,7 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
         >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb="1")
         Traceback (most recent call last):
         ...
-        planner.errors.InputError: max_gb must be a number of GiB, got str
+        planner.core.errors.InputError: max_gb must be a number of GiB, got str
     """
     limit = check_budget_gb(max_gb, "max_gb")
     if not isinstance(top, int) or isinstance(top, bool) or top < 0:

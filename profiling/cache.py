@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.errors import ProfileError
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.core.errors import ProfileError
 from profiling import profile
 from profiling.measure import StepInputs
 

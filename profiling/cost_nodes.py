@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from planner.costgraph import CostNode, Storage
+from planner.core.costgraph import CostNode, Storage
 from profiling.interpreter import tensors_of
 
 __all__ = ["StorageTable", "cost_nodes"]
@@ -50,7 +50,7 @@ class StorageTable:
 
 def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bool:
     """Whether a selective checkpoint policy can keep the node's outputs from the forward
-    instead of recomputing them (:mod:`planner.keep`): a function call that writes nothing in
+    instead of recomputing them (:mod:`planner.solvers.keep`): a function call that writes nothing in
     place, aliases no input and draws no random numbers (skipping a random op in the recompute
     would shift the random stream of the ops after it)."""
     if isinstance(node.target, torch._ops.HigherOrderOperator):

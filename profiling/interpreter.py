@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.errors import ProfileError
+from planner.core.errors import ProfileError
 from profiling.node_times import Timer, cpu_timer
 from profiling.progress import NodeProgress
 from profiling.temporaries import FakeAllocationTracker

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.errors import PlannerError
+from planner.core.errors import PlannerError
 from profiling.measure import StepInputs
 
 __all__ = ["LoadedModel", "load_model", "tensors_from_specs", "parse_input_spec"]

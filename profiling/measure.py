@@ -31,7 +31,7 @@ import torch.fx
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
-from planner.errors import PlannerError, ProfileError
+from planner.core.errors import PlannerError, ProfileError
 
 __all__ = [
     "StepInputs",

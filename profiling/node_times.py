@@ -10,7 +10,7 @@ warm-up step, and each node gets the median of its times over the timed passes.
 
 For the nodes named in ``split_nodes`` the passes also time the share of the node that runs
 after autograd saved its last tensor for backward (where a checkpoint recompute stops, see
-``planner.rerun``): CPU attention saves its softmax before its last matmul, half its FLOPs but
+``planner.core.rerun``): CPU attention saves its softmax before its last matmul, half its FLOPs but
 a smaller share of its time, since the softmax, mask and dropout over the scores are slow.
 
 Example:

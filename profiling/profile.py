@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves
 
-from planner.costgraph import CostGraph
+from planner.core.costgraph import CostGraph
 from profiling.cost_nodes import StorageTable, cost_nodes
 from profiling.fake_mode import fake_converter, roofline_times
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of

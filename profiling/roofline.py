@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
+from planner.core.errors import PlannerError
 
 __all__ = ["DeviceSpec", "DEVICE_SPECS", "estimate_ms"]
 

@@ -9,7 +9,7 @@ a chain of tiny ops run forward and backward under plain non-reentrant checkpoin
 selective policy that recomputes everything, interleaved, the difference of the two fastest
 steps per node (load from other processes only adds time, so the fastest steps are the least
 disturbed; the median of paired differences came out at zero under a parallel test run). The
-planner charges it to every node of a segment that keeps outputs (:mod:`planner.keep`).
+planner charges it to every node of a segment that keeps outputs (:mod:`planner.solvers.keep`).
 
 On a GPU the figure is the CPU time the mode adds per node; with kernels long enough to keep
 the GPU busy it is hidden, so there it is an upper bound.

@@ -14,7 +14,7 @@ conv-BatchNorm-ReLU block can be recomputed while its buffers change exactly onc
 In-place ops on activations that nothing else observes (``x += residual``) become out-of-place,
 so the ops before them can be recomputed too.
 
-When capture fails, :class:`planner.errors.TraceError` names the submodule (its qualified name
+When capture fails, :class:`planner.core.errors.TraceError` names the submodule (its qualified name
 and class), the source line, and what to change.
 
 Example:
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.errors import InputError, TraceError
+from planner.core.errors import InputError, TraceError
 from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
@@ -401,7 +401,7 @@ def prepare_saved_program(gm: torch.fx.GraphModule, name: str) -> torch.fx.Graph
         ...                       "bn.pt2")
         Traceback (most recent call last):
         ...
-        planner.errors.InputError: bn.pt2 was exported in eval mode (batch_norm reads its running statistics): \
+        planner.core.errors.InputError: bn.pt2 was exported in eval mode (batch_norm reads its running statistics): \
 this tool plans a training step; export the model after model.train()
     """
     eval_ops = _eval_mode_ops(gm)

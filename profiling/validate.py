@@ -10,7 +10,7 @@ Example:
     >>> check_model_and_inputs(torch.nn.Linear(3, 2).eval(), (torch.randn(4, 3),))
     Traceback (most recent call last):
     ...
-    planner.errors.InputError: model is in eval mode: call model.train() before optimize() ...
+    planner.core.errors.InputError: model is in eval mode: call model.train() before optimize() ...
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from planner.errors import InputError
+from planner.core.errors import InputError
 
 __all__ = ["check_model_and_inputs", "input_tensors"]
 
@@ -45,7 +45,7 @@ def _forward_name(model: torch.nn.Module) -> str:
 
 
 def check_model_and_inputs(model: Any, example_inputs: Any) -> None:
-    """Raise :class:`planner.errors.InputError` when ``model`` cannot be planned with ``example_inputs``.
+    """Raise :class:`planner.core.errors.InputError` when ``model`` cannot be planned with ``example_inputs``.
 
     Checked: ``model`` is an ``nn.Module`` in training mode whose parameters and buffers are real
     (not on the meta device); something requires grad (a parameter or an input tensor);

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.costgraph import CostGraph
-from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.core.costgraph import CostGraph
+from planner.core.errors import PlannerError
+from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules
 from rewrite.segments import apply_plan, fresh_copy

@@ -9,7 +9,7 @@ objects stay those of the user's model.
 
 Example:
     >>> import torch
-    >>> from planner.plan import Plan, Segment
+    >>> from planner.core.plan import Plan, Segment
     >>> from profiling.trace import trace_module
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     >>> gm = trace_module(model, (torch.randn(2, 4),))
@@ -32,8 +32,8 @@ import torch.fx
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.core.errors import PlannerError
+from planner.core.plan import Plan
 from profiling.trace import RUN_ONCE_OPS
 
 __all__ = ["apply_plan", "CheckpointedSegment", "PRISTINE_GRAPH", "copy_graph", "fresh_copy"]

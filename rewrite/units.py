@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from planner.errors import PlannerError
+from planner.core.errors import PlannerError
 
 __all__ = ["fsdp_unit_paths", "unit_of_nodes", "insert_unit_hooks", "barrier_nodes", "ModuleRef"]
 

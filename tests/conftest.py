@@ -23,10 +23,10 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(autouse=True)
 def _report_an_abandoned_highs_solve():
-    """A HiGHS solve stuck past its time limit (:mod:`planner.highs`) is abandoned and its thread
+    """A HiGHS solve stuck past its time limit (:mod:`planner.milp.highs`) is abandoned and its thread
     keeps a core busy for the rest of the worker, slowing every later test: say which test hit
     it, as a warning in the summary."""
-    from planner.highs import PlannerHiGHS
+    from planner.milp.highs import PlannerHiGHS
 
     before = len(PlannerHiGHS.abandoned)
     yield

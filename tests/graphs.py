@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import random
 
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.keep import keepable_in_segment, segment_with_kept
-from planner.simulate import simulate
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.solvers.keep import keepable_in_segment, segment_with_kept
+from planner.core.simulate import simulate
 
 MIB = 2**20
 
@@ -140,7 +140,7 @@ def brute_force(g: CostGraph, budget: int, objective: str = "time",
     """Least recompute time (``objective="flops"``: FLOPs) over every plan of segments that
     fits ``budget`` (None when none does), and the smallest peak of any plan. With
     ``kept_outputs``, every subset of each segment's keepable nodes is tried too (the
-    selective policy's cost included, as :func:`planner.keep.segment_with_kept` prices it)."""
+    selective policy's cost included, as :func:`planner.solvers.keep.segment_with_kept` prices it)."""
     compute = list(g.compute_nodes)
     best_cost, min_peak = None, None
     for runs in all_run_sets(len(compute)):

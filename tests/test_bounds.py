@@ -1,4 +1,4 @@
-"""The covering bound of :mod:`planner.bounds` never exceeds the cost of a plan that fits, kept
+"""The covering bound of :mod:`planner.bounds.covering` never exceeds the cost of a plan that fits, kept
 outputs included (brute force over every plan of small random graphs, at budgets equal to the
 plans' own peaks, where a bound that claims too much shows first), proves infeasible only what
 no plan fits, and counts what the previous knapsack bound missed: the transients a rerun node
@@ -12,10 +12,10 @@ import math
 import pytest
 
 from graphs import MIB, every_plan, random_dag
-from planner.bounds import covering_bound, least_rerun_cost, recompute_lower_bound_ms
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.errors import InputError
-from planner.simulate import simulate
+from planner.bounds.covering import covering_bound, least_rerun_cost, recompute_lower_bound_ms
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.core.errors import InputError
+from planner.core.simulate import simulate
 
 
 @pytest.mark.parametrize("objective", ["time", "flops"])

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 
 from graphs import MIB, chain, random_dag
 from planner import minimum_peak_plan, simulate, solve
-from planner.chain_dp import ChainSearchTooLarge, cheapest_plan, cheapest_segments
-from planner.stage_model import build_stage_model
-from planner.stages import build_stages
+from planner.solvers.chain_dp import ChainSearchTooLarge, cheapest_plan, cheapest_segments
+from planner.solvers.stage_model import build_stage_model
+from planner.core.stages import build_stages
 
-solve_module = importlib.import_module("planner.solve")
-milp = importlib.import_module("planner.milp")
-stage_plans_module = importlib.import_module("planner.stage_plans")
+solve_module = importlib.import_module("planner.solvers.solve")
+milp = importlib.import_module("planner.solvers.stage_ilp")
+stage_plans_module = importlib.import_module("planner.solvers.stage_plans")
 
 
 def objective(model, chosen, keeps=()):
@@ -31,7 +31,7 @@ def objective(model, chosen, keeps=()):
 
 
 def ilp_optimum(model, budget_mib):
-    """The ILP solved without a node limit (within :data:`planner.solve.MIP_GAP`), or None."""
+    """The ILP solved without a node limit (within :data:`planner.solvers.solve.MIP_GAP`), or None."""
     result = milp._solve_ilp(model, budget_mib, None, 60.0)
     return None if result is None else result.chosen
 
@@ -67,7 +67,7 @@ def test_pruning_keeps_each_label_cheaper_than_every_label_before_it(seed):
     1e-12). Many equal stored MiB and costs, and costs a hair apart, as the DP's labels have."""
     import numpy as np
 
-    from planner.chain_dp import _pruned
+    from planner.solvers.chain_dp import _pruned
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 200))
@@ -86,10 +86,10 @@ def test_pruning_keeps_each_label_cheaper_than_every_label_before_it(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_the_stage_model_prices_every_candidate_segment_as_computed_directly(seed):
     """The model prices only its candidate segments (spans of at most ``max_segment_stages``
-    recomputable stages): each at :func:`planner.rerun.rerun_cost` of its nodes, and what it
+    recomputable stages): each at :func:`planner.core.rerun.rerun_cost` of its nodes, and what it
     holds again by each of its stages' backward at the bytes saved there by nodes of the
     segment, made inside it."""
-    from planner.rerun import rerun_cost
+    from planner.core.rerun import rerun_cost
 
     g = random_dag(seed, 10 + seed)
     stages = build_stages(g, 3 + seed % 5)
@@ -137,7 +137,7 @@ def test_too_many_labels_stops_the_search_and_the_solve_uses_the_ilp(monkeypatch
 
     monkeypatch.setattr(stage_plans_module, "cheapest_plan", too_large)
     budget = (minimum_peak_plan(g).predicted_peak_bytes + simulate(g).peak_bytes) // 2
-    with caplog.at_level(logging.INFO, logger="planner.solve"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.solve"):
         plan = solve(g, budget, exact=False, refine_s=0, finer_rounds=0)
     assert any("solving the ILP instead" in r.getMessage() for r in caplog.records)
     assert plan.solver.split(" ")[0] in solve_module.available_solvers()

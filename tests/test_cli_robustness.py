@@ -24,7 +24,7 @@ from graphs import chain
 from planner import InputError, simulate
 from planner.check import BaselineError, write_baseline
 from planner.cli import _parser, main
-from planner.plan import Plan, Segment, describe_segments, format_ms
+from planner.core.plan import Plan, Segment, describe_segments, format_ms
 from planner.report import build_report, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -343,7 +343,7 @@ def test_pulp_is_pinned_below_4():
 def test_fallback_milp_solver_solves_without_the_pulp_4_warning():
     """CBC, bundled with PuLP 3.x, is the MILP solver when highspy is missing; PuLP warns on
     each construction of its class that it goes away in 4.0, which users must not see."""
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     assert "CBC" in solve_module.available_solvers()
     graph = chain([4, 4, 4, 4, 4, 4])
     with warnings.catch_warnings(record=True) as caught:
@@ -359,7 +359,7 @@ NOISY_CLI = """
 import logging, sys
 import planner.pipeline
 from planner.cli import main
-from planner.errors import InfeasibleBudgetError
+from planner.core.errors import InfeasibleBudgetError
 
 real_plan_for_budget = planner.pipeline.plan_for_budget
 

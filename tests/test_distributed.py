@@ -179,7 +179,7 @@ def test_segments_never_span_two_fsdp_units_and_hooks_run_once(monkeypatch):
     import rewrite.checkpointed_module as checkpointed_module
     from planner import simulate
     from planner.pipeline import CaptureOptions, Replanner
-    from planner.plan import Plan, Segment
+    from planner.core.plan import Plan, Segment
     from profiling import profile_graph, trace_module
     from profiling.measure import loss_of
     from rewrite.apply import CheckpointedModule, apply_plan

@@ -13,8 +13,8 @@ import planner
 import profiling
 import rewrite
 
-MODULES = sorted(f"{package.__name__}.{info.name}" for package in (planner, profiling, rewrite)
-                 for info in pkgutil.iter_modules(package.__path__))
+MODULES = sorted(info.name for package in (planner, profiling, rewrite)
+                 for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -64,7 +64,7 @@ def test_budget_is_met_and_training_is_unchanged(subject, fraction, profiles):
     for key in grads:
         assert torch.equal(grads[key], ref_grads[key]), key
 
-    # the plan prices each segment where checkpoint's recompute stops (planner.rerun): exact
+    # the plan prices each segment where checkpoint's recompute stops (planner.core.rerun): exact
     extra_flops = measure_step_flops(opt, inputs) - base_flops
     assert extra_flops == plan.recompute_flops
     assert f"{plan.recompute_flops:.3e}" in plan.summary()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from graphs import MIB
-from planner.costgraph import CostGraph, CostNode, Storage, protect_reads_before_writes
-from planner.hand_policies import hand_placed_plans, repeated_blocks
-from planner.simulate import simulate
-from planner.solve import solve
+from planner.core.costgraph import CostGraph, CostNode, Storage, protect_reads_before_writes
+from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks
+from planner.core.simulate import simulate
+from planner.solvers.solve import solve
 from profiling.cache import load_profile
 
 H100 = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "h100"

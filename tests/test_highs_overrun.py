@@ -20,9 +20,9 @@ from pathlib import Path
 import pulp
 import pytest
 
-from planner.highs import HighsOverrunError, PlannerHiGHS
+from planner.milp.highs import HighsOverrunError, PlannerHiGHS
 
-solve_module = importlib.import_module("planner.milp")
+solve_module = importlib.import_module("planner.solvers.stage_ilp")
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_a_stuck_solve_is_abandoned_and_the_model_solved_by_cbc(monkeypatch, cap
 
     monkeypatch.setattr(PlannerHiGHS, "abandoned", [])
     monkeypatch.setattr(highspy.Highs, "run", stuck_run)
-    monkeypatch.setattr("planner.highs.OVERRUN_S", 1.0)
+    monkeypatch.setattr("planner.milp.highs.OVERRUN_S", 1.0)
     prob = _knapsack()
     started = time.perf_counter()
     try:
@@ -129,7 +129,7 @@ def test_the_model_that_hung_highs_returns_within_the_overrun(tmp_path):
     mps.write_bytes(gzip.decompress((DATA / "highs_stuck_presolve.mps.gz").read_bytes()))
     script = textwrap.dedent(f"""
         import time, types, highspy
-        from planner.highs import HighsOverrunError, PlannerHiGHS
+        from planner.milp.highs import HighsOverrunError, PlannerHiGHS
         h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         for key, value in {{"threads": 1, "time_limit": 2.0, "mip_rel_gap": 0.01, "mip_max_nodes": 100,

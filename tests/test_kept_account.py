@@ -1,6 +1,6 @@
-"""The optimistic account with kept outputs (:mod:`planner.kept_account`) accepts every plan at
+"""The optimistic account with kept outputs (:mod:`planner.bounds.kept_account`) accepts every plan at
 its own simulated peak, offers every node a selective policy may keep, and prices keeps as
-:func:`planner.keep.segment_with_kept` does (standard library and PuLP only: no torch)."""
+:func:`planner.solvers.keep.segment_with_kept` does (standard library and PuLP only: no torch)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 
 from graphs import random_dag
 from planner import simulate
-from planner.keep import keepable_in_segment, segment_with_kept
-from planner.kept_account import KeptOutputsAccount
-from planner.solve import available_solvers
-from planner.stages import build_stages
+from planner.solvers.keep import keepable_in_segment, segment_with_kept
+from planner.bounds.kept_account import KeptOutputsAccount
+from planner.solvers.solve import available_solvers
+from planner.core.stages import build_stages
 
 
 def _random_plan(g, stages, rng):
@@ -89,8 +89,8 @@ def test_where_keeping_beats_every_plan_of_whole_segments_the_bound_allows_it(se
     does not, and meets it within the gap."""
     from graphs import brute_force
 
-    from planner.reach import recompute_bound
-    from planner.solve import MIP_GAP
+    from planner.bounds.reach import recompute_bound
+    from planner.solvers.solve import MIP_GAP
 
     g = random_dag(seed, n)
     budget = int(simulate(g).peak_bytes * fraction)

@@ -11,12 +11,12 @@ import pytest
 
 from graphs import MIB, all_run_sets, chain, random_dag
 from planner import InfeasibleBudgetError, minimum_peak_plan, simulate, solve
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.keep import keepable_in_segment, segment_with_kept
-from planner.rerun import rerun_cost, rerun_node_names
-from planner.simulate import fits_budget
-from planner.stage_model import build_stage_model
-from planner.stages import build_stages
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.solvers.keep import keepable_in_segment, segment_with_kept
+from planner.core.rerun import rerun_cost, rerun_node_names
+from planner.core.simulate import fits_budget
+from planner.solvers.stage_model import build_stage_model
+from planner.core.stages import build_stages
 
 
 def test_planner_imports_without_torch():
@@ -239,7 +239,7 @@ def test_selective_segment_keeps_matmul_outputs_and_recomputes_the_rest():
                  output_bytes=MIB, requires_grad=True, time_ms=1.0),
     )
     g = CostGraph(nodes, tuple(storages), output_names=("relu2",))
-    from planner.plan import Segment
+    from planner.core.plan import Segment
 
     names = ("mm1", "relu", "mm2")
     full = simulate(g, [Segment(names, 11.0, 0)])
@@ -276,7 +276,7 @@ def test_a_kept_output_stays_held_until_its_segments_recompute():
                  requires_grad=True, time_ms=1.0),
     )
     g = CostGraph(nodes, tuple(storages), output_names=("out", "side"), loss_names=("out",))
-    from planner.plan import Segment
+    from planner.core.plan import Segment
 
     result = simulate(g, [Segment(("a", "side"), 0.0, 0, kept_nodes=("a",))])
     at_a = [b for phase, n, b in result.timeline if (phase, n) == ("backward", "a")]
@@ -330,10 +330,10 @@ def test_ilp_keeps_matmul_outputs_inside_its_segments():
     import importlib
     import time
 
-    from planner.keep import keepable_in_segment
-    from planner.stages import build_stages
+    from planner.solvers.keep import keepable_in_segment
+    from planner.core.stages import build_stages
 
-    solve_module = importlib.import_module("planner.solve")  # planner.solve is also a function's name
+    solve_module = importlib.import_module("planner.solvers.solve")  # planner.solvers.solve is also a function's name
     g = _matmul_blocks(6)
     unoptimized = simulate(g).peak_bytes
     stages = build_stages(g, 3)
@@ -360,8 +360,8 @@ def test_keeping_pays_for_the_selective_policy_or_is_dropped():
     time counts the policy's cost on every node of the selective segments."""
     import dataclasses
 
-    from planner.keep import keep_outputs
-    from planner.plan import Segment
+    from planner.solvers.keep import keep_outputs
+    from planner.core.plan import Segment
 
     base = _matmul_blocks(4)
     names = tuple(n.name for n in base.compute_nodes)
@@ -399,7 +399,7 @@ def test_selective_solve_falls_back_to_the_segments_only_plan_where_its_own_ilp_
     import dataclasses
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
     real_tightened, real_floor = solve_module._tightened, solve_module.minimum_peak_plan
@@ -426,7 +426,7 @@ def test_selective_solve_never_costs_more_than_the_segments_only_plan(monkeypatc
     plan for a fifth less memory than asked, dearer than needed."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
     real_tightened = solve_module._tightened
@@ -453,7 +453,7 @@ def test_the_smallest_peak_plan_starts_the_keep_search_only_near_the_smallest_pe
     ``KEEP_FROM_SMALLEST_PEAK_WITHIN`` of it, the refined smallest-peak plan is a start too."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = _matmul_blocks(6)
     lowest = solve_module.minimum_peak_plan(g)
     real_floor, real_keep = solve_module.minimum_peak_plan, solve_module.keep_outputs
@@ -512,7 +512,7 @@ def test_the_short_segment_starts_plan_a_budget_the_first_stages_miss(monkeypatc
     a cheaper one."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
     real_tightened, real_search = solve_module._tightened, solve_module._cheapest_by_optimistic_account
@@ -552,7 +552,7 @@ def test_the_exact_search_only_looks_below_the_cheapest_plan_in_hand(monkeypatch
     its smallest peak this cut the search from 11 to 4 s)."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = _matmul_blocks(4)
     budget = int(simulate(g).peak_bytes * 0.7)
     real_search = solve_module._cheapest_by_optimistic_account
@@ -577,9 +577,9 @@ def test_search_cheapest_cuts_off_at_the_incumbent():
     plan as with no incumbent."""
     import importlib
 
-    from planner.relaxation import search_cheapest
+    from planner.solvers.relaxation import search_cheapest
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     g = chain([1, 4, 2, 4, 1, 3], [1.0, 3.0, 1.0, 2.0, 1.0, 2.0])
     stages = build_stages(g)
     budget = int(simulate(g).peak_bytes * 0.8)
@@ -604,7 +604,7 @@ def test_a_target_raised_above_the_budget_finds_plans_that_fit_it():
     dearer one, and ``solve`` is never dearer than the raised plan of its first model."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solve")
+    solve_module = importlib.import_module("planner.solvers.solve")
     cheaper = 0
     for seed in range(6, 18):
         g = random_dag(seed, 12)

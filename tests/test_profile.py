@@ -191,8 +191,8 @@ def test_share_of_forward_after_the_last_save_is_measured():
     FLOPs), and the recompute of a segment ending there measures what the profile predicts."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from planner.plan import Plan, Segment
-    from planner.rerun import rerun_cost
+    from planner.core.plan import Plan, Segment
+    from planner.core.rerun import rerun_cost
     from rewrite.apply import apply_plan
 
     class Block(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The proven bound of :mod:`planner.reach` never exceeds the cheapest plan that fits (brute force
+"""The proven bound of :mod:`planner.bounds.reach` never exceeds the cheapest plan that fits (brute force
 over every plan of segments and every choice of kept outputs inside them), is tight where the
 cheap covering bound is loose, and proves infeasibility only where nothing fits (standard
 library, PuLP and hypothesis only: no torch)."""
@@ -12,10 +12,10 @@ import pytest
 
 from graphs import MIB, brute_force, mlp_blocks, random_dag
 from planner import InputError, simulate, solve
-from planner.bounds import recompute_lower_bound_ms
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.reach import recompute_bound
-from planner.solve import MIP_GAP, available_solvers
+from planner.bounds.covering import recompute_lower_bound_ms
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.bounds.reach import recompute_bound
+from planner.solvers.solve import MIP_GAP, available_solvers
 
 needs_highs = pytest.mark.skipif("HiGHS" not in available_solvers(), reason="HiGHS is not installed")
 
@@ -75,7 +75,7 @@ def test_segments_only_bound_never_exceeds_brute_force_over_segments():
 
 @needs_highs
 def test_bound_is_tight_where_the_covering_bound_is_loose():
-    """The covering bound of planner.bounds ignores what a recompute holds in the backward (a
+    """The covering bound of planner.bounds.covering ignores what a recompute holds in the backward (a
     segment's recomputed activations while its backward runs); the account knows it."""
     g = mlp_blocks(2)
     unoptimized = simulate(g).peak_bytes

@@ -1,4 +1,4 @@
-"""What a checkpointed segment's recompute reruns (planner.rerun), without torch: the rule on
+"""What a checkpointed segment's recompute reruns (planner.core.rerun), without torch: the rule on
 hand-made segments, and the solvers' O(1) run costs against it on random graphs."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphs import MIB, random_dag
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.keep import segment_with_kept
-from planner.rerun import ChainCosts, rerun_cost, rerun_node_names
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.solvers.keep import segment_with_kept
+from planner.core.rerun import ChainCosts, rerun_cost, rerun_node_names
 
 
 def mlp_block() -> CostGraph:

@@ -169,7 +169,7 @@ def test_run_step_returns_output_and_fills_grads():
 
 def test_selective_segment_keeps_outputs_matches_prediction_and_gradients():
     from planner import simulate
-    from planner.plan import Plan, Segment
+    from planner.core.plan import Plan, Segment
     from profiling import profile_graph, trace_module
     from rewrite.apply import CheckpointedModule, apply_plan
 
@@ -201,7 +201,7 @@ def test_kept_linear_on_3d_input_holds_its_input_as_the_replay_predicts():
     policy keeping the linear caches that view and so holds the input until the recompute. The
     profiler records it (``viewed_storages``) and the replay stays at or above the allocator."""
     from planner import simulate
-    from planner.plan import Plan, Segment
+    from planner.core.plan import Plan, Segment
     from profiling import profile_graph, trace_module
     from rewrite.apply import CheckpointedModule, apply_plan
 

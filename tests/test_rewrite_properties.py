@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from planner import InfeasibleBudgetError, minimum_peak_plan, optimize
-from planner.plan import GIB
+from planner.core.plan import GIB
 from profiling.measure import loss_of
 
 WIDTH = 48

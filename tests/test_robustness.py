@@ -14,9 +14,9 @@ import torch
 from graphs import chain
 from models import cnn
 from planner import optimize
-from planner.errors import InputError
-from planner.simulate import simulate
-from planner.solve import minimum_peak_plan, solve
+from planner.core.errors import InputError
+from planner.core.simulate import simulate
+from planner.solvers.solve import minimum_peak_plan, solve
 from planner.sweep import sweep
 from profiling import StepInputs, measure_step_peak_bytes
 from profiling.node_times import MAX_TIMING_PASSES, TIMING_SPREAD_LIMIT, time_nodes_in_passes

@@ -1,4 +1,4 @@
-"""The segment covering bound of :mod:`planner.segment_covering` never exceeds the cost of a plan
+"""The segment covering bound of :mod:`planner.bounds.segment_covering` never exceeds the cost of a plan
 that fits (brute force over every plan of small random graphs, at budgets equal to the plans'
 own peaks: with kept outputs against every plan, without against plans of whole segments),
 is never below the covering bound, proves infeasible only what no plan fits, and on a 4-layer
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from graphs import MIB, every_plan, random_dag
 
-from planner.bounds import covering_bound
-from planner.costgraph import CostGraph, CostNode, Storage
-from planner.errors import InputError
-from planner.rerun import rerun_cost
-from planner.segment_covering import segment_covering_bound
-from planner.simulate import simulate
-from planner.solve import available_solvers
+from planner.bounds.covering import covering_bound
+from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.core.errors import InputError
+from planner.core.rerun import rerun_cost
+from planner.bounds.segment_covering import segment_covering_bound
+from planner.core.simulate import simulate
+from planner.solvers.solve import available_solvers
 
 needs_highs = pytest.mark.skipif("HiGHS" not in available_solvers(), reason="HiGHS is not installed")
 
@@ -105,7 +105,7 @@ def test_on_llama_at_every_layers_peak_it_proves_more_than_the_covering_bound():
     bound over plans of whole segments over 65 % of it already by its LP relaxation (CBC,
     deterministic; HiGHS proves 74 % in 120 s), so no plan of whole segments meets the 60 %
     quality bar by the profile's account; with kept outputs over 55 % (58 %)."""
-    from planner.costgraph import protect_reads_before_writes
+    from planner.core.costgraph import protect_reads_before_writes
     from profiling.cache import load_profile
 
     g = protect_reads_before_writes(load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json"))

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from planner import InputError, simulate, solve
-from planner.deadline import MIN_PHASE_S, SolveDeadline
+from planner.solvers.deadline import MIN_PHASE_S, SolveDeadline
 from planner.pipeline import PlanOptions, plan_for_budget
 from planner.sweep import sweep
 
-solve_module = importlib.import_module("planner.solve")
+solve_module = importlib.import_module("planner.solvers.solve")
 
 PROFILE = Path(__file__).parent / "data" / "gpt2_4layer_profile.json"
 
@@ -32,7 +32,7 @@ def test_a_spent_bound_returns_the_first_plan(gpt2_graph, caplog):
     g = gpt2_graph
     budget = int(simulate(g).peak_bytes * 0.6)
     first_only = solve(g, budget, max_stages=4, exact=False, finer_rounds=0, short_segments=False, refine_s=0)
-    with caplog.at_level(logging.INFO, logger="planner.deadline"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.deadline"):
         bounded = solve(g, budget, max_stages=4, max_solve_s=1e-3, polish=True)
     assert bounded.segments == first_only.segments
     assert bounded.hit_time_limit and not first_only.hit_time_limit

@@ -18,16 +18,16 @@ from hypothesis import strategies as st
 from graphs import MIB, brute_force, chain, mlp_blocks, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
 from planner.pipeline import PlanOptions, plan_for_budget
-from planner.relaxation import search_cheapest
-from planner.rerun import rerun_cost
-from planner.stages import build_stages
+from planner.solvers.relaxation import search_cheapest
+from planner.core.rerun import rerun_cost
+from planner.core.stages import build_stages
 
-# ``planner.solve`` the attribute is the function; the module is reached by its import name
-solve_module = importlib.import_module("planner.solve")
-milp_module = importlib.import_module("planner.milp")
-stage_plans_module = importlib.import_module("planner.stage_plans")
-smallest_peak_module = importlib.import_module("planner.smallest_peak")
-refine_module = importlib.import_module("planner.refine")
+# ``planner.solvers.solve`` the attribute is the function; the module is reached by its import name
+solve_module = importlib.import_module("planner.solvers.solve")
+milp_module = importlib.import_module("planner.solvers.stage_ilp")
+stage_plans_module = importlib.import_module("planner.solvers.stage_plans")
+smallest_peak_module = importlib.import_module("planner.solvers.smallest_peak")
+refine_module = importlib.import_module("planner.solvers.refine")
 pipeline_module = importlib.import_module("planner.pipeline")
 
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -92,7 +92,7 @@ def test_missing_solver_falls_back_to_an_installed_one_and_says_what_to_install(
     monkeypatch.setattr(milp_module, "available_solvers", lambda: ["CBC"])
     g = chain([4, 4, 4, 4, 4, 4])
     budget = int(simulate(g).peak_bytes * 0.8)
-    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+    with caplog.at_level(logging.WARNING, logger="planner.solvers.solve"):
         plan = solve(g, budget, solver="HiGHS")
     assert plan.solver.startswith("CBC") and plan.segments
     assert any("HiGHS is not installed (pip install highspy); using CBC" in r.getMessage() for r in caplog.records)
@@ -119,7 +119,7 @@ def test_a_solver_that_crashes_is_replaced_by_another(monkeypatch, caplog):
                         BrokenBinary() if name == "HiGHS" else real(name, t, presolve, node_limit))
     g = chain([4, 4, 4, 4, 4, 4])
     budget = int(simulate(g).peak_bytes * 0.8)
-    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+    with caplog.at_level(logging.WARNING, logger="planner.solvers.solve"):
         plan = solve(g, budget, solver="HiGHS")
     assert plan.solver.startswith("CBC") and plan.predicted_peak_bytes <= budget
     assert any("HiGHS failed to run" in r.getMessage() for r in caplog.records)
@@ -187,7 +187,7 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = (floor + simulate(g).peak_bytes) // 2
-    with caplog.at_level(logging.WARNING, logger="planner.solve"):
+    with caplog.at_level(logging.WARNING, logger="planner.solvers.solve"):
         # the ILP's own plan (a named solver: by default this model is solved by the chain DP)
         plan = solve(g, budget, refine_s=0, exact=False, solver=solve_module.available_solvers()[0])
     assert plan.hit_time_limit and plan.segments
@@ -205,7 +205,7 @@ def test_the_first_ilp_stops_at_its_node_limit_with_its_plan_and_proven_gap(monk
     budget = int(simulate(g).peak_bytes * 0.4)
     options = {"finer_rounds": 0, "exact": False, "refine_s": 0, "solver": "HiGHS"}  # the first ILP's own plan
     monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", 1)
-    with caplog.at_level(logging.INFO, logger="planner.solve"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.solve"):
         limited = solve(g, budget, **options)
     assert any("stopped at its node limit" in r.getMessage() for r in caplog.records)
     assert simulate(g, [s.node_names for s in limited.segments]).peak_bytes <= budget
@@ -312,7 +312,7 @@ def test_lower_bound_never_exceeds_brute_force_or_the_planner():
     """``recompute_lower_bound_ms`` is below the cost of every plan that fits (brute force over
     all segment sets, and the planner's with kept outputs), infinite only when none fits, and
     zero when nothing has to be freed."""
-    from planner.bounds import recompute_lower_bound_ms
+    from planner.bounds.covering import recompute_lower_bound_ms
 
     positive = 0
     for seed in range(12):
@@ -423,13 +423,13 @@ def test_search_effort_is_counted_in_replays_so_a_slow_machine_gets_the_same_pla
     # the wall-clock guard (twice the 4 ms this budget stands for) is out of the way here: on a
     # loaded machine it stopped the real-clock search after 9 or 10 replays; it has its own test
     monkeypatch.setattr(refine_module, "GUARD_FACTOR", 1e9)
-    with caplog.at_level(logging.INFO, logger="planner.refine"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.refine"):
         here = refine_module.lower_peak(g, [], time_limit_s=limit_s)
     assert "with 12 replays" in caplog.text, "the search must stop at its replay budget, not sooner"
     assert simulate(g, here).peak_bytes < simulate(g).peak_bytes
     caplog.clear()
     monkeypatch.setattr(refine_module.time, "perf_counter", _slow_clock(1.0))
-    with caplog.at_level(logging.INFO, logger="planner.refine"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.refine"):
         slow = refine_module.lower_peak(g, [], time_limit_s=limit_s)
     assert "with 12 replays" in caplog.text
     assert [s.node_names for s in slow] == [s.node_names for s in here]
@@ -438,7 +438,7 @@ def test_search_effort_is_counted_in_replays_so_a_slow_machine_gets_the_same_pla
 def test_the_wall_clock_guard_still_stops_a_search_and_says_so(monkeypatch, caplog):
     g = chain([4, 1, 3, 5, 2, 6, 1, 4, 3, 2])
     monkeypatch.setattr(refine_module.time, "perf_counter", _slow_clock(10.0))
-    with caplog.at_level(logging.INFO, logger="planner.refine"):
+    with caplog.at_level(logging.INFO, logger="planner.solvers.refine"):
         segments = refine_module.lower_peak(g, [], time_limit_s=1.0)
     assert "wall-clock guard" in caplog.text
     assert simulate(g, segments).peak_bytes <= simulate(g).peak_bytes
@@ -593,7 +593,7 @@ def test_deeper_graphs_also_start_short_segments_from_more_stages(monkeypatch):
 
 def test_the_finest_start_spans_more_stages_on_smaller_graphs(monkeypatch):
     """One stage per compute node: segments of up to 10 stages from 1,024 stages, more on fewer
-    (:data:`planner.solve.FINEST_SPAN_PAIRS` over the stage count). On the stored GPT-2 (222
+    (:data:`planner.solvers.solve.FINEST_SPAN_PAIRS` over the stage count). On the stored GPT-2 (222
     stages, spans of up to 46) at 45 % of its peak that is cheaper than spans of 10."""
     from profiling.cache import load_profile
 
@@ -630,7 +630,7 @@ def test_a_node_limit_reads_as_a_solve_that_found_nothing_or_an_unproven_plan():
     to optimality with the limit lifted."""
     if "HiGHS" not in solve_module.available_solvers():
         pytest.skip("HiGHS is not installed")
-    from planner.highs import PlannerHiGHS, stopped_at_node_limit
+    from planner.milp.highs import PlannerHiGHS, stopped_at_node_limit
 
     def knapsack(**options: object) -> pulp.LpProblem:
         prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
@@ -720,7 +720,7 @@ def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     smallest-peak plan made cheaper by local moves cost 69.0 ms)."""
     if "HiGHS" not in solve_module.available_solvers():
         pytest.skip("HiGHS is not installed")
-    from planner.stage_model import build_stage_model
+    from planner.solvers.stage_model import build_stage_model
     from profiling.cache import load_profile
 
     g = load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json")

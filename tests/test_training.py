@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner import InfeasibleBudgetError, PlannerError, optimize, simulate
-from planner.costgraph import protect_reads_before_writes, shard_parameters
+from planner.core.costgraph import protect_reads_before_writes, shard_parameters
 from planner.pipeline import PlanOptions, plan_for_budget
-from planner.plan import Plan, Segment
+from planner.core.plan import Plan, Segment
 from profiling import StepInputs, measure_step_peak_bytes, profile_graph, trace_module
 from profiling.measure import loss_of
 from rewrite.apply import CheckpointedModule, apply_plan

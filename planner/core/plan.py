@@ -72,9 +72,9 @@ class Segment:
     """A contiguous run of nodes run under one ``torch.utils.checkpoint`` call.
 
     A selective segment keeps the outputs of ``kept_nodes`` from the forward, under a selective
-    checkpoint policy, and recomputes only the rest (:mod:`planner.keep` chooses them).
+    checkpoint policy, and recomputes only the rest (:mod:`planner.solvers.keep` chooses them).
     ``skipped_nodes`` are the nodes the recompute never runs: it stops once the last tensor
-    the segment saved is saved again (:mod:`planner.rerun`). ``recompute_ms`` and
+    the segment saved is saved again (:mod:`planner.core.rerun`). ``recompute_ms`` and
     ``recompute_flops`` count what is actually recomputed, and ``recompute_ms`` of a selective
     segment also the time the policy adds to each of its nodes.
     """
@@ -94,7 +94,7 @@ class Segment:
 class Plan:
     """A checkpointing plan for one profiled graph at one budget.
 
-    ``predicted_peak_bytes`` comes from :func:`planner.simulate.simulate`; ``step_ms`` is the
+    ``predicted_peak_bytes`` comes from :func:`planner.core.simulate.simulate`; ``step_ms`` is the
     measured unoptimized forward plus backward time the overhead is expressed against.
     """
 

@@ -1,7 +1,7 @@
 """Prove a plan the cheapest, or find a cheaper one: an optimistic memory account that the
 simulator makes exact.
 
-The ILP of :mod:`planner.solve` accounts memory conservatively, so it can pass over a cheaper
+The ILP of :mod:`planner.solvers.solve` accounts memory conservatively, so it can pass over a cheaper
 plan the simulator would accept. This module builds the opposite: a memory account over the
 same chain of stages that never predicts more than the simulator, moment by moment, for any
 plan. Its cheapest plan is then a lower bound on every plan's recompute time. Solved, replayed
@@ -27,8 +27,8 @@ Everything else the simulator counts (what a recompute allocates and frees on th
 temporaries) is left out, which can only lower the account.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.stages import build_stages
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.stages import build_stages
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -57,10 +57,10 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.costgraph import CostGraph
-from planner.rerun import stage_run_costs
-from planner.simulate import simulate
-from planner.stages import Stage
+from planner.core.costgraph import CostGraph
+from planner.core.rerun import stage_run_costs
+from planner.core.simulate import simulate
+from planner.core.stages import Stage
 
 __all__ = ["OptimisticAccount", "RelaxedSearchResult", "search_cheapest"]
 
@@ -96,7 +96,7 @@ class OptimisticAccount:
     :meth:`add_moment` constrains one moment of the unoptimized step (``moments`` lists those
     over the budget). The objective is the recompute time, with a tie-break towards fewer
     segments far below any node's time; ``run_ms`` and ``run_flops`` price every run, for
-    another objective (:mod:`planner.reach` sets its own).
+    another objective (:mod:`planner.bounds.reach` sets its own).
     """
 
     def __init__(self, graph: CostGraph, stages: list[Stage], budget_bytes: int) -> None:
@@ -177,7 +177,7 @@ class OptimisticAccount:
         return bisect.bisect_right(self.first_pos, position) - 1
 
     def cost_ms(self, runs: list[Run]) -> float:
-        """Recompute time of the stage runs ``runs`` (:mod:`planner.rerun`)."""
+        """Recompute time of the stage runs ``runs`` (:mod:`planner.core.rerun`)."""
         return sum(self.run_ms[run] for run in runs)
 
     def _fresh_saved(self, run: Run, persistent: set[int], values: dict[str, list[int]]) -> tuple[list[int], list[int]]:

@@ -1,10 +1,10 @@
 """A lower bound on the recompute any plan needs, that knows what a recompute holds in the
-backward: the covering bound of :mod:`planner.bounds` with the segments' structure added.
+backward: the covering bound of :mod:`planner.bounds.covering` with the segments' structure added.
 
 The covering bound lets a storage saved for backward be gone at any moment where nothing
 reads it, once the node that made it runs again. It ignores that a segment's recompute brings
 its activations back while its backward runs, so at checkpoint-every-layer's peak it can stay
-at half the cheapest plan. Plans of checkpointed segments (:mod:`planner.simulate`) obey three
+at half the cheapest plan. Plans of checkpointed segments (:mod:`planner.core.simulate`) obey three
 more rules, and this bound adds them with a binary ``brk[k]`` for "compute nodes ``k`` and
 ``k + 1`` do not lie in one segment":
 
@@ -31,9 +31,9 @@ Llama (303 compute nodes) HiGHS does not close it in 120 s, and its bound after 
 half again the covering bound's.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.bounds import covering_bound
-    >>> from planner.simulate import simulate
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.bounds.covering import covering_bound
+    >>> from planner.core.simulate import simulate
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):  # a chain of six 1 MiB nodes, each saving its own output
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -55,7 +55,7 @@ import time
 
 import pulp
 
-from planner.bounds import (
+from planner.bounds.covering import (
     MIB,
     LowerBound,
     StorageUses,
@@ -64,8 +64,8 @@ from planner.bounds import (
     proven_bound,
     settled_without_solving,
 )
-from planner.costgraph import CostGraph, CostNode
-from planner.simulate import SimulationResult
+from planner.core.costgraph import CostGraph, CostNode
+from planner.core.simulate import SimulationResult
 
 __all__ = ["segment_covering_bound"]
 
@@ -214,7 +214,7 @@ def segment_covering_bound(
     unoptimized step fits.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 64, True),))
         >>> segment_covering_bound(g, 64).value, segment_covering_bound(g, 63).value

@@ -2,7 +2,7 @@
 solve abandoned.
 
 :class:`PlannerHiGHS` keeps HiGHS's start-up banner off standard output
-(:mod:`planner.quiet_highs`) and resets HiGHS's process-wide thread scheduler before each
+(:mod:`planner.milp.quiet_highs`) and resets HiGHS's process-wide thread scheduler before each
 solve. HiGHS sizes that scheduler once per process, from the first solve's ``threads``; a
 later solve asking for another count is refused (PuLP then reports no solution). So a process
 that had run HiGHS with its default threads (the user's own PuLP model, say) made every solve
@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 
 import pulp
 
-from planner.quiet_highs import absorb_highs_banner
+from planner.milp.quiet_highs import absorb_highs_banner
 
 __all__ = ["HighsOverrunError", "PlannerHiGHS", "stopped_at_node_limit", "NO_PROBING", "OVERRUN_S"]
 

@@ -62,7 +62,7 @@ def check_max_stages(max_stages: int) -> None:
         >>> check_max_stages(0)
         Traceback (most recent call last):
         ...
-        planner.errors.InputError: max_stages must be a positive integer (32 by default), got 0
+        planner.core.errors.InputError: max_stages must be a positive integer (32 by default), got 0
     """
     if isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1:
         raise InputError(f"max_stages must be a positive integer (32 by default), got {max_stages!r}")
@@ -76,7 +76,7 @@ def check_time_limit(time_limit_s: float, name: str = "time_limit_s") -> None:
         >>> check_time_limit(0, "max_solve_s")
         Traceback (most recent call last):
         ...
-        planner.errors.InputError: max_solve_s must be a positive number of seconds, got 0
+        planner.core.errors.InputError: max_solve_s must be a positive number of seconds, got 0
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0 \
             or not math.isfinite(time_limit_s):

@@ -18,7 +18,7 @@ The result never recomputes more than its input: the segments are the same, only
 taken out of the recompute.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i, (ms, mib) in enumerate([(8.0, 1), (1.0, 4)] * 3, start=1):  # slow-small, fast-large
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -27,7 +27,7 @@ Example:
     >>> g = CostGraph(tuple(nodes), (Storage(0, 2**20, True), *(Storage(i, n.output_bytes)
     ...               for i, n in enumerate(nodes) if i)), ("n6",))
     >>> segments = [Segment(("n1", "n2"), 9.0, 0), Segment(("n3", "n4"), 9.0, 0)]
-    >>> from planner.simulate import simulate
+    >>> from planner.core.simulate import simulate
     >>> simulate(g).peak_bytes // 2**20, simulate(g, segments).peak_bytes // 2**20
     (21, 19)
     >>> kept = keep_outputs(g, segments, budget_bytes=20 * 2**20)
@@ -41,11 +41,11 @@ import logging
 import time
 from collections.abc import Sequence
 
-from planner.costgraph import CostGraph
-from planner.plan import Segment
-from planner.refine import GUARD_FACTOR, replay_budget
-from planner.rerun import rerun_cost, skipped_node_names
-from planner.simulate import fits_budget
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Segment
+from planner.solvers.refine import GUARD_FACTOR, replay_budget
+from planner.core.rerun import rerun_cost, skipped_node_names
+from planner.core.simulate import fits_budget
 
 __all__ = ["keep_outputs", "keepable_in_segment", "kept_storages", "policy_ms", "segment_with_kept"]
 
@@ -60,7 +60,7 @@ def policy_ms(graph: CostGraph, node_names: Sequence[str]) -> float:
     (``graph.selective_overhead_ms_per_node`` on each node).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("a", "op"),), (), selective_overhead_ms_per_node=0.5)
         >>> policy_ms(g, ("a",))
         0.5
@@ -71,13 +71,13 @@ def policy_ms(graph: CostGraph, node_names: Sequence[str]) -> float:
 def segment_with_kept(graph: CostGraph, node_names: Sequence[str],
                       kept: set[str] | frozenset[str] = frozenset()) -> Segment:
     """A segment over ``node_names`` keeping the outputs of ``kept``; its cost counts what its
-    recompute reruns (:func:`planner.rerun.rerun_cost`: not the kept nodes, not what follows
+    recompute reruns (:func:`planner.core.rerun.rerun_cost`: not the kept nodes, not what follows
     the last saved tensor) and, when it keeps anything, the selective policy's cost on each of
     its nodes (``graph.selective_overhead_ms_per_node``).
 
     Example:
         >>> import dataclasses
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, flops=10, output_storages=(0,)),
         ...                CostNode("b", "op", time_ms=1.0, output_storages=(1,), saved_storages=(1,))),
         ...               (Storage(0, 8), Storage(1, 8)))
@@ -102,7 +102,7 @@ def keepable_in_segment(graph: CostGraph, node_names: Sequence[str]) -> list[str
     768 (its output cache outlived the recompute).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", saved_storages=(1,), selective_save=True),
         ...                CostNode("b", "op", saved_storages=(2,), selective_save=True),
         ...                CostNode("c", "op", selective_save=True)), (Storage(1, 8), Storage(2, 8)))
@@ -116,12 +116,12 @@ def keepable_in_segment(graph: CostGraph, node_names: Sequence[str]) -> list[str
 
 def kept_storages(graph: CostGraph, name: str) -> set[int]:
     """The storages keeping node ``name``'s outputs holds from its forward until the segment's
-    recompute, as :func:`planner.simulate.simulate` counts them: what the node allocates
+    recompute, as :func:`planner.core.simulate.simulate` counts them: what the node allocates
     (outputs, and what it saves that its inputs did not produce) and the input storages its
     ops returned views of.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
         ...                CostNode("a", "op", input_names=("x",), output_storages=(1,)),
         ...                CostNode("mm", "op", input_names=("a",), output_storages=(2,), saved_storages=(1,))),
@@ -170,12 +170,12 @@ def keep_outputs(
     candidates are added at once while the replayed peak fits (doubling the run), and halved
     when it does not, so a graph with thousands of candidates needs few replays; a single
     candidate that does not fit is skipped. Stops with what it has after the replays
-    ``time_limit_s`` buys (:func:`planner.refine.replay_budget`, the same on every machine) or
+    ``time_limit_s`` buys (:func:`planner.solvers.refine.replay_budget`, the same on every machine) or
     at a wall-clock guard of twice ``time_limit_s``.
     The returned plan's simulated peak is at most ``budget_bytes`` whenever the input's is.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
         ...                CostNode("a", "op", input_names=("x",), output_storages=(1,), saved_storages=(1,),
         ...                         output_bytes=100, requires_grad=True, time_ms=5.0, selective_save=True),

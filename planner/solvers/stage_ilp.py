@@ -1,6 +1,6 @@
 """MILP plumbing: which solvers run here, and one stage model solved as an integer linear program.
 
-The stage model (:mod:`planner.stage_model`) is a chain of stages. A binary variable ``y[a, b]``
+The stage model (:mod:`planner.solvers.stage_model`) is a chain of stages. A binary variable ``y[a, b]``
 says that stages ``a..b`` run as one checkpointed segment. The ILP minimises the forward time
 of everything recomputed subject to a memory account at every stage, in the forward and in
 the backward. Memory is tracked storage by storage: a continuous ``held[k, j]`` is at least
@@ -28,13 +28,13 @@ from typing import Any
 
 import pulp
 
-from planner.errors import SolverError
-from planner.highs import NO_PROBING, PlannerHiGHS, stopped_at_node_limit
-from planner.stage_model import StageModel, holder_groups
+from planner.core.errors import SolverError
+from planner.milp.highs import NO_PROBING, PlannerHiGHS, stopped_at_node_limit
+from planner.solvers.stage_model import StageModel, holder_groups
 
 __all__ = ["MIP_GAP", "KNOWN_SOLVERS", "available_solvers", "solved_lp_relaxation"]
 
-log = logging.getLogger("planner.solve")  # every module of a solve logs as planner.solve
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: Relative MIP gap the solvers stop at (docs/tuning.md#mip_gap).
 MIP_GAP = 0.01
@@ -86,7 +86,7 @@ def _choose_solver(name: str | None) -> str:
 
 def _solver_named(name: str, time_limit_s: float, presolve: bool = True, node_limit: int | None = None) -> pulp.LpSolver:
     """The solver ``name``; ``node_limit``: HiGHS stops after that many branch-and-bound nodes
-    (:mod:`planner.highs`; CBC ignores it)."""
+    (:mod:`planner.milp.highs`; CBC ignores it)."""
     if name == "HiGHS":
         options: dict[str, Any] = dict(NO_PROBING) if presolve else {"presolve": "off"}
         if node_limit is not None:

@@ -12,14 +12,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from planner.costgraph import CostGraph
-from planner.errors import SolverError
-from planner.plan import Plan
-from planner.stage_model import StageModel, build_stage_model
-from planner.stage_plans import FINER_PASS_NODES, _tightened
-from planner.stages import build_stages
+from planner.core.costgraph import CostGraph
+from planner.core.errors import SolverError
+from planner.core.plan import Plan
+from planner.solvers.stage_model import StageModel, build_stage_model
+from planner.solvers.stage_plans import FINER_PASS_NODES, _tightened
+from planner.core.stages import build_stages
 
-log = logging.getLogger("planner.solve")  # every module of a solve logs as planner.solve
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: Seconds all finer ILPs of one start may take together, a guard (docs/tuning.md#finer_pass_s).
 FINER_PASS_S = 20.0

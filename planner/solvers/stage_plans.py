@@ -1,8 +1,8 @@
 """One stage model to a plan that fits: solved by the chain DP or as an ILP, replayed, tightened.
 
-Each start of :func:`planner.solve.solve` and of the smallest-peak search builds a stage model
-(:mod:`planner.stage_model`) and hands it here. :func:`_tightened` solves it (by dynamic
-programming over the stage chain, :mod:`planner.chain_dp`, or as an ILP, :mod:`planner.milp`),
+Each start of :func:`planner.solvers.solve.solve` and of the smallest-peak search builds a stage model
+(:mod:`planner.solvers.stage_model`) and hands it here. :func:`_tightened` solves it (by dynamic
+programming over the stage chain, :mod:`planner.solvers.chain_dp`, or as an ILP, :mod:`planner.solvers.stage_ilp`),
 replays the plan in the simulator and, when the replay is over the budget, solves again with
 the bound lowered by the excess; :func:`_loosened` also tries targets above the budget, since
 the model's account is conservative. :func:`short_segment_shapes` names the starts on many
@@ -19,19 +19,19 @@ import dataclasses
 import logging
 import time
 
-from planner.chain_dp import ChainSearchTooLarge, cheapest_plan
-from planner.costgraph import MIB, CostGraph
-from planner.errors import SolverError
-from planner.keep import keepable_in_segment, segment_with_kept
-from planner.milp import _IlpResult, _solve_ilp
-from planner.plan import Plan, Segment
-from planner.simulate import simulate
-from planner.stage_model import StageModel, build_stage_model
-from planner.stages import build_stages
+from planner.solvers.chain_dp import ChainSearchTooLarge, cheapest_plan
+from planner.core.costgraph import MIB, CostGraph
+from planner.core.errors import SolverError
+from planner.solvers.keep import keepable_in_segment, segment_with_kept
+from planner.solvers.stage_ilp import _IlpResult, _solve_ilp
+from planner.core.plan import Plan, Segment
+from planner.core.simulate import simulate
+from planner.solvers.stage_model import StageModel, build_stage_model
+from planner.core.stages import build_stages
 
 __all__ = ["CHAIN_DP", "short_segment_shapes"]
 
-log = logging.getLogger("planner.solve")  # every module of a solve logs as planner.solve
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: the solver name of plans found by :func:`_solve_chain`
 CHAIN_DP = "chain DP"
@@ -59,7 +59,7 @@ FINEST_SPAN_PAIRS = 10_240
 
 def _solve_chain(model: StageModel, budget_mib: float) -> _IlpResult | None:
     """The same model as :func:`_solve_ilp` at ``budget_mib``, solved to its optimum by dynamic
-    programming over the stage chain (:mod:`planner.chain_dp`), keep options included; None
+    programming over the stage chain (:mod:`planner.solvers.chain_dp`), keep options included; None
     when no plan fits."""
     plan = cheapest_plan(model, budget_mib)
     if plan is None:

@@ -8,7 +8,7 @@ from the repeated blocks the graph itself shows (:func:`repeated_blocks`), so th
 them as candidates: the plan it returns never costs more than one of them that fits the budget.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):   # three layers of two ops each
     ...     nodes.append(CostNode(f"n{i}", "aten.relu.default", input_names=(nodes[-1].name,),
@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.costgraph import CostGraph
-from planner.keep import segment_with_kept
-from planner.plan import Segment
+from planner.core.costgraph import CostGraph
+from planner.solvers.keep import segment_with_kept
+from planner.core.plan import Segment
 
 __all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "EVERY_KTH_LAYER_MAX_K", "SAVED_MATMUL_OPS"]
 
@@ -105,7 +105,7 @@ def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> l
     """Checkpoint every k-th block of every stack (k = 1 .. ``max_k``, as long as a stack has more
     than k blocks) and, for each, the same blocks keeping their matmul outputs
     (:data:`SAVED_MATMUL_OPS`, where a selective policy can keep them). Costs are what each
-    recompute reruns (:func:`planner.keep.segment_with_kept`). No stacks: no plans."""
+    recompute reruns (:func:`planner.solvers.keep.segment_with_kept`). No stacks: no plans."""
     stacks = repeated_blocks(graph)
     plans: list[HandPlan] = []
     for k in range(1, max_k + 1):

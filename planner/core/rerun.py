@@ -12,7 +12,7 @@ CPU attention saves its softmax halfway through its FLOPs but well past half its
 node without them, the share is 1 when every tensor it saves is one of its inputs, else 0.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> g = CostGraph(
     ...     (CostNode("x", "placeholder", kind="input", output_storages=(0,)),
     ...      CostNode("tanh", "aten.tanh.default", input_names=("x",), output_storages=(1,),
@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
-from planner.costgraph import CostGraph, CostNode
-from planner.stages import Stage
+from planner.core.costgraph import CostGraph, CostNode
+from planner.core.stages import Stage
 
 __all__ = ["ChainCosts", "after_last_save_fraction", "after_last_save_time_fraction", "rerun_cost", "rerun_node_names", "saves_only_inputs",
            "skipped_node_names", "stage_run_costs"]
@@ -46,7 +46,7 @@ def saves_only_inputs(graph: CostGraph, node: CostNode) -> bool:
     what they save may be their own output.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
         ...                CostNode("gelu", "gelu", input_names=("x",), output_storages=(1,),
         ...                         saved_storages=(0,))),
@@ -66,7 +66,7 @@ def after_last_save_fraction(graph: CostGraph, node: CostNode) -> float:
     profiler's measurement, or 1 when the node saves only its inputs and 0 otherwise.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("sdpa", "attention", after_last_save_fraction=0.5),), ())
         >>> after_last_save_fraction(g, g.node("sdpa"))
         0.5
@@ -82,7 +82,7 @@ def after_last_save_time_fraction(graph: CostGraph, node: CostNode) -> float:
     else :func:`after_last_save_fraction`.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("sdpa", "attention", after_last_save_fraction=0.5,
         ...                         after_last_save_time_fraction=0.2),), ())
         >>> after_last_save_time_fraction(g, g.node("sdpa"))
@@ -108,7 +108,7 @@ def rerun_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterable
     stored outputs). A segment in which no node saves anything reruns nothing.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("a", "op", saved_storages=()), CostNode("b", "op")), ())
         >>> rerun_node_names(g, ("a", "b"))
         ()
@@ -125,7 +125,7 @@ def skipped_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterab
     does not keep: ``Segment.skipped_nodes``.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("a", "op", saved_storages=()), CostNode("b", "op")), ())
         >>> skipped_node_names(g, ("a", "b"))
         ('a', 'b')
@@ -141,7 +141,7 @@ def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] 
     shares before that save).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,),
         ...                         time_ms=2.0, flops=5),), (Storage(0, 8),))
         >>> rerun_cost(g, ("a",))
@@ -169,7 +169,7 @@ class ChainCosts:
     price thousands of candidate segments with.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,), time_ms=2.0),
         ...                CostNode("b", "op", time_ms=1.0)), (Storage(0, 8),))
         >>> ChainCosts(g, ("a", "b")).time_ms(0, 1)  # b saves nothing: the recompute stops after a
@@ -217,7 +217,7 @@ def stage_run_costs(graph: CostGraph, stages: Sequence[Stage], runs: Iterable[tu
     of ``runs`` where given: a stage model prices its candidate segments, not all pairs).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("a", "op", output_storages=(0,), saved_storages=(0,), time_ms=2.0),), (Storage(0, 8),))
         >>> stage_run_costs(g, [Stage(("a",), True)])
         ({(0, 0): 2.0}, {(0, 0): 0})

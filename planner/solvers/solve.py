@@ -1,20 +1,20 @@
 """Choose the segments to recompute: the strategy of :func:`solve`, the planner's one entry point.
 
-The graph is reduced to stages (:mod:`planner.stages`) and a linear memory account over their
-chain (:mod:`planner.stage_model`), solved by the chain DP or as an ILP
-(:mod:`planner.stage_plans`, :mod:`planner.milp`). :func:`solve` builds plans from several
-starts (the first stage model, finer rounds in :mod:`planner.finer_rounds`, short segments on
-many stages), runs the exact search of :mod:`planner.relaxation` where it pays, and keeps the
-cheapest plan whose simulated peak (:func:`planner.simulate.simulate`, the judge) is within
+The graph is reduced to stages (:mod:`planner.core.stages`) and a linear memory account over their
+chain (:mod:`planner.solvers.stage_model`), solved by the chain DP or as an ILP
+(:mod:`planner.solvers.stage_plans`, :mod:`planner.solvers.stage_ilp`). :func:`solve` builds plans from several
+starts (the first stage model, finer rounds in :mod:`planner.solvers.finer_rounds`, short segments on
+many stages), runs the exact search of :mod:`planner.solvers.relaxation` where it pays, and keeps the
+cheapest plan whose simulated peak (:func:`planner.core.simulate.simulate`, the judge) is within
 the budget; otherwise :class:`InfeasibleBudgetError` names the smallest peak found
-(:mod:`planner.smallest_peak`). See docs/design.md#how-the-planner-decides.
+(:mod:`planner.solvers.smallest_peak`). See docs/design.md#how-the-planner-decides.
 
-With ``selective=True`` an op-level pass follows (:mod:`planner.keep`): inside the chosen
+With ``selective=True`` an op-level pass follows (:mod:`planner.solvers.keep`): inside the chosen
 segments, node by node, outputs worth more recompute time than the memory they hold are kept
 from the forward under a selective checkpoint policy instead of being recomputed.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 9):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
@@ -33,27 +33,27 @@ import logging
 import math
 import time
 
-from planner.costgraph import CostGraph
-from planner.deadline import SolveDeadline
-from planner.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
-from planner.hand_policies import hand_placed_plans
-from planner.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
-from planner.keep import keep_outputs
-from planner.milp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
-from planner.plan import Plan
-from planner.refine import ALL_CUTS_BELOW, refine_segments
-from planner.relaxation import search_cheapest
-from planner.simulate import fits_budget, simulate
-from planner.smallest_peak import _exact_search_on, minimum_peak_plan
-from planner.stage_model import StageModel, build_stage_model
-from planner.stage_plans import (_loosened, _segments, _short_segments_plan, _tightened, _to_plan,
+from planner.core.costgraph import CostGraph
+from planner.solvers.deadline import SolveDeadline
+from planner.core.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
+from planner.solvers.hand_policies import hand_placed_plans
+from planner.solvers.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
+from planner.solvers.keep import keep_outputs
+from planner.solvers.stage_ilp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
+from planner.core.plan import Plan
+from planner.solvers.refine import ALL_CUTS_BELOW, refine_segments
+from planner.solvers.relaxation import search_cheapest
+from planner.core.simulate import fits_budget, simulate
+from planner.solvers.smallest_peak import _exact_search_on, minimum_peak_plan
+from planner.solvers.stage_model import StageModel, build_stage_model
+from planner.solvers.stage_plans import (_loosened, _segments, _short_segments_plan, _tightened, _to_plan,
                                  short_segment_shapes)
-from planner.stages import build_stages
+from planner.core.stages import build_stages
 
 
 __all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit", "check_max_stages"]
 
-log = logging.getLogger("planner.solve")  # every module of a solve logs as planner.solve
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: Budgets within this of the smallest peak keep outputs in its plan (docs/tuning.md#keep_from_smallest_peak_within).
 KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
@@ -91,7 +91,7 @@ def solve(
 
     Every stage model below is one ILP (:func:`_solve_ilp`). With ``solver=None`` (default) it
     is solved to its optimum by dynamic programming over the stage chain instead
-    (:mod:`planner.chain_dp`, keep options included; gap 0, no node or time limit, solver name
+    (:mod:`planner.solvers.chain_dp`, keep options included; gap 0, no node or time limit, solver name
     ``chain DP``): on 1,000-node GPT-2 graphs the whole solve takes about 2 s where the ILPs
     took 4 to 30 s (docs/benchmarks/solve_time.md). A named ``solver`` ("HiGHS", "CBC") solves every
     model as an ILP, as does the smallest-peak search. What follows says "ILP" for either.
@@ -126,7 +126,7 @@ def solve(
     (default): no such bound, so the plan does not depend on the machine's speed beyond the
     limits above.
 
-    ``exact`` runs the search of :mod:`planner.relaxation` after the ILP (on segments-only plans): an optimistic memory
+    ``exact`` runs the search of :mod:`planner.solvers.relaxation` after the ILP (on segments-only plans): an optimistic memory
     account, solved and checked against the simulator until a plan fits, which either proves
     the ILP's plan the cheapest over the stages (its ``optimality_gap`` is then the MIP gap
     against the simulator) or finds a cheaper one, also where the ILP found none. ``None``
@@ -145,14 +145,14 @@ def solve(
 
     When the ILP finds no plan, the smallest-peak plan is searched by local moves judged by the
     simulator and, if it fits, made cheaper the same way, for up to ``refine_s`` seconds each
-    (:mod:`planner.refine`); ``refine_s=0`` turns this off. ``polish=True`` also runs the
+    (:mod:`planner.solvers.refine`); ``refine_s=0`` turns this off. ``polish=True`` also runs the
     cost search on a plan the ILP found: cheaper plans, but on real models they reach parts
     of the graph where the memory model has been less exact (one measured 5.6 % below its
     prediction), so it is off by default.
 
     With ``selective``, nodes inside the recomputed segments may keep their outputs from the
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
-    :func:`planner.keep.keep_outputs` on the selective model's segments (the chain DP chooses
+    :func:`planner.solvers.keep.keep_outputs` on the selective model's segments (the chain DP chooses
     segments and keep options together), on the segments-only plan's and, at budgets within
     :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the smallest peak, on the finer segments of the
     smallest-peak plan, whichever ends cheapest; the plan never costs more than the
@@ -325,7 +325,7 @@ def _with_kept_outputs(
     refine_s: float,
     deadline: SolveDeadline | None = None,
 ) -> Plan:
-    """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.keep.keep_outputs`)
+    """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.solvers.keep.keep_outputs`)
     on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
     here when ``None`` and the budget is within :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the
     smallest-peak ILP's peak), each of whose room below the budget is then filled with kept outputs."""
@@ -358,7 +358,7 @@ def _with_kept_outputs(
 
 
 def _hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int, started: float) -> Plan | None:
-    """The cheapest hand-placed plan (:func:`planner.hand_policies.hand_placed_plans`) whose
+    """The cheapest hand-placed plan (:func:`planner.solvers.hand_policies.hand_placed_plans`) whose
     simulated peak fits ``budget_bytes``, or ``None``."""
     fitting = [hand for hand in hand_placed_plans(graph) if fits_budget(graph, hand.segments, budget_bytes)]
     if not fitting:
@@ -370,7 +370,7 @@ def _hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int
 
 
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
-    """``plan`` improved by :func:`planner.refine.refine_segments` when that saves recompute time.
+    """``plan`` improved by :func:`planner.solvers.refine.refine_segments` when that saves recompute time.
     The ILP's gap no longer bounds a changed plan, so it is then reported as unknown."""
     if refine_s > 0 and plan.segments and not any(s.selective for s in plan.segments):
         segments = refine_segments(graph, plan.segments, budget_bytes, time_limit_s=refine_s)
@@ -394,7 +394,7 @@ def _cheapest_by_optimistic_account(
     incumbent_ms: float | None = None,
 ) -> tuple[Plan | None, bool]:
     """``plan`` (the ILP's, or None when it found none), or the cheaper plan over the same
-    stages that :func:`planner.relaxation.search_cheapest` finds; a plan the search proves the
+    stages that :func:`planner.solvers.relaxation.search_cheapest` finds; a plan the search proves the
     cheapest gets the MIP gap as its optimality gap, measured against the simulator's account.
     And whether the search proved that no plan over the stages fits the budget.
     ``incumbent_ms``: the cost of the cheapest plan in hand, found on these or other stages

@@ -1,13 +1,13 @@
-"""What a replay of a :class:`planner.costgraph.CostGraph` needs that no plan changes.
+"""What a replay of a :class:`planner.core.costgraph.CostGraph` needs that no plan changes.
 
-:func:`planner.simulate.simulate` replays a step once per candidate plan, and the searches
-replay hundreds of plans of one graph (:mod:`planner.refine`, :mod:`planner.keep`). Which
+:func:`planner.core.simulate.simulate` replays a step once per candidate plan, and the searches
+replay hundreds of plans of one graph (:mod:`planner.solvers.refine`, :mod:`planner.solvers.keep`). Which
 storages persist, who reads a storage last, what each node allocates, frees and saves, and
 the gradient buffers of its inputs are the graph's alone, so they are derived once
 (``CostGraph.replay_facts``, cached on the graph) instead of on every replay.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> w = CostNode("w", "param", kind="param", output_storages=(0,), output_bytes=32, requires_grad=True)
     >>> mm = CostNode("mm", "mm", input_names=("w",), output_storages=(1,), saved_storages=(0, 1),
     ...               output_bytes=64, requires_grad=True)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # costgraph imports this module to cache the facts on the graph
-    from planner.costgraph import CostGraph
+    from planner.core.costgraph import CostGraph
 
 __all__ = ["ReplayFacts", "replay_facts"]
 

@@ -2,7 +2,7 @@
 can be, and whether a target overhead is reachable at all on the profiled costs.
 
 Compare a plan's replay with the unoptimized one, moment by moment (a node's forward or
-backward; :func:`planner.simulate.simulate`). Outside the recompute, a plan changes what is
+backward; :func:`planner.core.simulate.simulate`). Outside the recompute, a plan changes what is
 live only in two ways, whatever its segments and kept outputs:
 
 * **Saved storages it frees.** A storage saved for backward, live in the unoptimized step from
@@ -22,15 +22,15 @@ moment where the unoptimized step exceeds the budget::
 
 and recomputes at least ``sum(cost[n] * x[n])``, where ``cost[n]`` is what a recompute spends
 on ``n`` at the least (all of it, or the share before its last save when it can end a
-segment; :mod:`planner.rerun`). The least cost over these covering constraints, proven by
+segment; :mod:`planner.core.rerun`). The least cost over these covering constraints, proven by
 HiGHS (its dual bound) or, with CBC, by the LP relaxation, is a lower bound on the recompute
 of every plan, kept outputs included, by the plan's own account (the simulator's memory and
-the profile's costs). It is far cheaper than :mod:`planner.reach` (one binary per node, no
+the profile's costs). It is far cheaper than :mod:`planner.bounds.reach` (one binary per node, no
 segment structure): milliseconds to a second on the quality models. Because it ignores the
 memory a recompute itself adds in the backward, it can stay below the cheapest plan.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i, ms in enumerate([4.0, 1.0, 2.0], start=1):
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -53,12 +53,12 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.costgraph import MIB, CostGraph, CostNode
-from planner.errors import InputError
-from planner.highs import HighsOverrunError, PlannerHiGHS
-from planner.milp import MIP_GAP, available_solvers, solved_lp_relaxation
-from planner.rerun import after_last_save_fraction, after_last_save_time_fraction
-from planner.simulate import SimulationResult, simulate
+from planner.core.costgraph import MIB, CostGraph, CostNode
+from planner.core.errors import InputError
+from planner.milp.highs import HighsOverrunError, PlannerHiGHS
+from planner.solvers.stage_ilp import MIP_GAP, available_solvers, solved_lp_relaxation
+from planner.core.rerun import after_last_save_fraction, after_last_save_time_fraction
+from planner.core.simulate import SimulationResult, simulate
 
 __all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost",
            "lp_relaxation_bound", "milp_dual_bound", "proven_bound", "recompute_lower_bound_ms",
@@ -82,7 +82,7 @@ def milp_dual_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool = 
                     gap: float = MIP_GAP) -> tuple[float, bool, str]:
     """HiGHS's proven bound on ``prob``'s optimum (a minimisation): ``(bound, infeasible, method)``.
     The dual bound is valid when HiGHS stops at its time limit too. A solve abandoned far past
-    its time limit (:class:`planner.highs.HighsOverrunError`) gives the LP relaxation's bound."""
+    its time limit (:class:`planner.milp.highs.HighsOverrunError`) gives the LP relaxation's bound."""
     options = {} if presolve else {"presolve": "off"}
     try:
         prob.solve(PlannerHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=gap, **options))
@@ -149,7 +149,7 @@ def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") 
     when it can end a segment partway (its last save before its end), the share before that.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode
+        >>> from planner.core.costgraph import CostGraph, CostNode
         >>> g = CostGraph((CostNode("sdpa", "attention", time_ms=10.0, flops=100, after_last_save_fraction=0.5,
         ...                         after_last_save_time_fraction=0.2),), ())
         >>> least_rerun_cost(g, g.node("sdpa")), least_rerun_cost(g, g.node("sdpa"), "flops")
@@ -160,7 +160,7 @@ def least_rerun_cost(graph: CostGraph, node: CostNode, objective: str = "time") 
     if not 0.0 < share < 1.0:
         return full  # a node that saves only its inputs is skipped, not run, when it ends a segment
     if objective == "flops":
-        return float(math.floor(full * (1.0 - share)))  # planner.rerun rounds the share's FLOPs
+        return float(math.floor(full * (1.0 - share)))  # planner.core.rerun rounds the share's FLOPs
     return full * (1.0 - after_last_save_time_fraction(graph, node))
 
 
@@ -282,7 +282,7 @@ def covering_bound(
     LP relaxation. ``inf`` when no plan fits by this account, 0 when the unoptimized step fits.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 64, True),))
         >>> covering_bound(g, 64).value, covering_bound(g, 63).value
@@ -311,7 +311,7 @@ def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments
     """The least recompute time (ms) any plan fitting ``budget_bytes`` needs: :func:`covering_bound`.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 64, True),))
         >>> recompute_lower_bound_ms(g, 64), recompute_lower_bound_ms(g, 63)

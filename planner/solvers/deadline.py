@@ -1,4 +1,4 @@
-"""What is left of a whole solve's time bound (``max_solve_s`` of :func:`planner.solve.solve`).
+"""What is left of a whole solve's time bound (``max_solve_s`` of :func:`planner.solvers.solve.solve`).
 
 The phases that only improve a plan already found ask it whether they may start and how long
 they may run; it remembers whether any was skipped or cut.

@@ -1,10 +1,10 @@
 """Whether an overhead is reachable at all: a proven lower bound on the recompute of every plan.
 
-:mod:`planner.bounds` bounds the recompute cheaply, node by node, with no segments: it ignores
-the memory a recompute adds in the backward. :mod:`planner.segment_covering` adds the segments'
+:mod:`planner.bounds.covering` bounds the recompute cheaply, node by node, with no segments: it ignores
+the memory a recompute adds in the backward. :mod:`planner.bounds.segment_covering` adds the segments'
 breaks to it, and this module bounds it with the whole segment structure and the backward's
 memory, at a solver's price, and returns the best of the three. The optimistic account of
-:mod:`planner.relaxation` never predicts more than the simulator, moment by moment, for any
+:mod:`planner.solvers.relaxation` never predicts more than the simulator, moment by moment, for any
 plan over its stages. Built with every compute node as its own stage, its candidates are all
 the plans of segments the planner can emit, so its optimum is at most the cost of the
 cheapest one that fits the budget, and so is any bound a MILP solver proves on that optimum:
@@ -12,18 +12,18 @@ HiGHS's dual bound (valid when it stops at its time limit too), or with CBC the 
 the LP relaxation. An infeasible account proves that no plan fits at all.
 
 By default the account also chooses, node by node, which outputs a segment keeps from the
-forward (:mod:`planner.kept_account`), so the bound covers every plan the planner emits, with
+forward (:mod:`planner.bounds.kept_account`), so the bound covers every plan the planner emits, with
 ``selective=True`` too: a kept node inside a segment can hold less than any split of that
 segment, so such a plan may cost less than the best plan of whole segments.
 ``kept_outputs=False`` bounds plans of whole segments only (a smaller model, a higher bound).
 
-The bound holds for plans priced as :mod:`planner.rerun` and :func:`planner.keep.segment_with_kept`
+The bound holds for plans priced as :mod:`planner.core.rerun` and :func:`planner.solvers.keep.segment_with_kept`
 price them, in the profile's node times (time, with the selective policy's cost) or
 ``FlopCounterMode``'s FLOPs (flops), and measured against the simulator's memory account
 (validated against the allocator: docs/memory.md#prediction).
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -48,26 +48,26 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.bounds import (
+from planner.bounds.covering import (
     check_bound_arguments,
     covering_bound,
     lp_relaxation_bound,
     milp_dual_bound,
 )
-from planner.costgraph import CostGraph
-from planner.keep import segment_with_kept
-from planner.kept_account import KeptOutputsAccount
-from planner.relaxation import OptimisticAccount
-from planner.segment_covering import segment_covering_bound
-from planner.simulate import simulate
-from planner.milp import available_solvers
-from planner.stages import build_stages
+from planner.core.costgraph import CostGraph
+from planner.solvers.keep import segment_with_kept
+from planner.bounds.kept_account import KeptOutputsAccount
+from planner.solvers.relaxation import OptimisticAccount
+from planner.bounds.segment_covering import segment_covering_bound
+from planner.core.simulate import simulate
+from planner.solvers.stage_ilp import available_solvers
+from planner.core.stages import build_stages
 
 __all__ = ["RecomputeBound", "recompute_bound"]
 
 log = logging.getLogger(__name__)
 
-#: at most this long for the covering bound of :mod:`planner.bounds` (it takes under a second on the quality models)
+#: at most this long for the covering bound of :mod:`planner.bounds.covering` (it takes under a second on the quality models)
 COVERING_TIME_LIMIT_S = 30.0
 
 
@@ -118,8 +118,8 @@ def recompute_bound(
     With HiGHS (the default where installed) the account is solved as a MILP for up to
     ``time_limit_s`` and its best bound is read; with ``solver="CBC"`` its LP relaxation is
     solved (weaker, and only as fast as CBC's LP). The largest of that,
-    :func:`planner.bounds.covering_bound` (for at most :data:`COVERING_TIME_LIMIT_S`) and
-    :func:`planner.segment_covering.segment_covering_bound` (for up to ``time_limit_s`` more) is
+    :func:`planner.bounds.covering.covering_bound` (for at most :data:`COVERING_TIME_LIMIT_S`) and
+    :func:`planner.bounds.segment_covering.segment_covering_bound` (for up to ``time_limit_s`` more) is
     returned. The account is constrained at the ``max_moments`` fullest moments of the
     unoptimized step (fewer moments can only lower the bound). On a 4-layer GPT-2 (222 compute
     nodes) building the account takes about 30 s and HiGHS does not close its gap in 300 s.
@@ -136,7 +136,7 @@ def recompute_bound(
         See the module docstring.
 
     Raises:
-        InputError: see :func:`planner.bounds.check_bound_arguments`.
+        InputError: see :func:`planner.bounds.covering.check_bound_arguments`.
     """
     check_bound_arguments(objective, budget_bytes, time_limit_s)
     started = time.perf_counter()

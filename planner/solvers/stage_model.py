@@ -1,10 +1,10 @@
-"""The numbers of the stage ILP's linear memory account (:mod:`planner.milp`), in MiB, and
+"""The numbers of the stage ILP's linear memory account (:mod:`planner.solvers.stage_ilp`), in MiB, and
 its recompute times in ms: what each stage saves, reads and holds, which segments are
 candidates, and, for a selective model, which outputs each stage may keep.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.stages import build_stages
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.stages import build_stages
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 5):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.costgraph import MIB, CostGraph
-from planner.keep import keepable_in_segment, kept_storages, policy_ms
-from planner.rerun import stage_run_costs
-from planner.stages import Stage
+from planner.core.costgraph import MIB, CostGraph
+from planner.solvers.keep import keepable_in_segment, kept_storages, policy_ms
+from planner.core.rerun import stage_run_costs
+from planner.core.stages import Stage
 
 __all__ = ["KeepOption", "StageModel", "build_stage_model", "holder_groups"]
 
@@ -63,7 +63,7 @@ class StageModel:
     time_ms: list[float]
     flops: list[int]
     segments: list[tuple[int, int]]
-    #: recompute time and FLOPs of every candidate segment (:mod:`planner.rerun`)
+    #: recompute time and FLOPs of every candidate segment (:mod:`planner.core.rerun`)
     run_ms: dict[tuple[int, int], float]
     run_flops: dict[tuple[int, int], int]
     recomputed: dict[tuple[int, int], float]
@@ -75,7 +75,7 @@ class StageModel:
 def holder_groups(model: StageModel) -> dict[tuple[tuple[int, str, object], ...], list[int]]:
     """The storages of ``model`` grouped by their holders (sorted): a group is held exactly
     while any of its holders is, so the ILP (one ``held`` variable per multi-holder group) and
-    the chain DP (:mod:`planner.chain_dp`) account each group as one."""
+    the chain DP (:mod:`planner.solvers.chain_dp`) account each group as one."""
     groups: dict[tuple[tuple[int, str, object], ...], list[int]] = {}
     for k, holders in model.holders.items():
         groups.setdefault(tuple(sorted(set(holders), key=repr)), []).append(k)
@@ -87,17 +87,17 @@ def keep_options_of(graph: CostGraph, stage: Stage, returned: set[int]) -> list[
     convolutions (keepable nodes with FLOPs), Megatron's selective recompute.
 
     A segment's last node that saves something is never kept
-    (:func:`planner.keep.keepable_in_segment`), so there are two options: the nodes before
+    (:func:`planner.solvers.keep.keepable_in_segment`), so there are two options: the nodes before
     the stage's last saving node (allowed in any stage of a segment), and all of them (only in
     a stage that does not end its segment). An option keeping every keepable node made the ILP
     slower (46 s against 20 s on a 283-node GPT-2) and its plans no cheaper, so it is not
-    offered; the keep pass after the ILP (:func:`planner.keep.keep_outputs`) adds such nodes
+    offered; the keep pass after the ILP (:func:`planner.solvers.keep.keep_outputs`) adds such nodes
     one by one where they fit.
 
     An option saves the time of the nodes it keeps less the selective policy's cost on the
     stage's nodes (``graph.selective_overhead_ms_per_node``); options that save nothing net are
     not offered. (The policy also slows the segment's other stages, which the ILP does not
-    count; the plan's cost, from :func:`planner.keep.segment_with_kept`, does.)
+    count; the plan's cost, from :func:`planner.solvers.keep.segment_with_kept`, does.)
     """
     policy_cost_ms = policy_ms(graph, stage.node_names)
     inner = keepable_in_segment(graph, stage.node_names)

@@ -6,7 +6,7 @@ whole stages keeps little as its inputs. Nodes that must not be recomputed get a
 their own, marked ``recomputable=False``.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 7):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from planner.costgraph import CostGraph
+from planner.core.costgraph import CostGraph
 
 __all__ = ["Stage", "build_stages", "crossing_bytes"]
 

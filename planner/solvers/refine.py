@@ -2,12 +2,12 @@
 
 The ILP decides on whole stages with a linear memory account; the simulator is exact on the
 profile. Two searches start from the ILP's segments and move segment boundaries between cut
-points (stage boundaries of a finer reduction, :func:`planner.stages.build_stages`; every
+points (stage boundaries of a finer reduction, :func:`planner.core.stages.build_stages`; every
 node on small graphs):
 
 - :func:`lower_peak` applies the move that lowers the simulated peak most (add, grow, merge,
   split, shrink or drop a segment) until none does: the smallest feasible budget it reaches is
-  what :class:`planner.errors.InfeasibleBudgetError` reports.
+  what :class:`planner.core.errors.InfeasibleBudgetError` reports.
 - :func:`refine_segments` applies the move that saves the most recompute time while the peak
   stays within the budget (dropping, shrinking, cutting a run out of, or splitting a
   segment; a split saves nothing but often lowers the peak enough for the next saving move).
@@ -19,11 +19,11 @@ The effort is counted in replays, not seconds, so a search gives the same plan o
 ``time_limit_s`` buys ``time_limit_s * NODE_REPLAYS_PER_S / len(graph.nodes)`` replays (about
 ``time_limit_s`` on a 2-core CPU), and a wall-clock guard at twice ``time_limit_s`` stops a
 search on a much slower machine (logged; only then can the result differ between runs). This is
-what lets the smallest feasible budget an :class:`~planner.errors.InfeasibleBudgetError` names
+what lets the smallest feasible budget an :class:`~planner.core.errors.InfeasibleBudgetError` names
 be planned when it is passed back.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 9):
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),
@@ -43,11 +43,11 @@ import time
 from collections.abc import Iterator, Sequence
 from itertools import accumulate
 
-from planner.costgraph import CostGraph
-from planner.plan import Segment
-from planner.rerun import ChainCosts, skipped_node_names
-from planner.simulate import simulate
-from planner.stages import build_stages
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Segment
+from planner.core.rerun import ChainCosts, skipped_node_names
+from planner.core.simulate import simulate
+from planner.core.stages import build_stages
 
 __all__ = ["NODE_REPLAYS_PER_S", "lower_peak", "refine_segments", "replay_budget"]
 
@@ -59,7 +59,7 @@ ALL_CUTS_BELOW = 64
 #: simulated nodes per second of search a ``time_limit_s`` stands for: an effort, not a clock, so
 #: every machine makes the same replays (on one core of the 2-core CPU the benchmarks ran on, a
 #: 1,337-node GPT-2 replayed a plan at 161,000 nodes per second, 298,000 since the graph's replay
-#: facts are derived once, :mod:`planner.replay_facts`; a search's ``time_limit_s`` now takes
+#: facts are derived once, :mod:`planner.core.replay_facts`; a search's ``time_limit_s`` now takes
 #: about a third to a half of its seconds there)
 NODE_REPLAYS_PER_S = 100_000
 #: the wall-clock guard, as a multiple of ``time_limit_s``
@@ -70,7 +70,7 @@ def replay_budget(graph: CostGraph, time_limit_s: float) -> int:
     """The replays a search of ``graph`` may make for ``time_limit_s`` (at least one).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
         ...               (Storage(0, 8, True),))
         >>> replay_budget(g, 1.0)
@@ -227,7 +227,7 @@ def lower_peak(
     """Segments with a simulated peak at most that of ``segments``, lowered by local moves.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
         >>> for i in range(1, 7):
         ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,),

@@ -16,7 +16,7 @@ The replay follows the mechanics of eager autograd with non-reentrant
   replay accounts for, the difference is added at that node.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
     >>> g = CostGraph(
     ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
     ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
@@ -35,9 +35,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from planner.costgraph import CostGraph
-from planner.plan import Segment
-from planner.rerun import after_last_save_fraction
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Segment
+from planner.core.rerun import after_last_save_fraction
 
 __all__ = ["SimulationResult", "fits_budget", "simulate", "validate_segments"]
 
@@ -143,7 +143,7 @@ class _Memory:
 def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> SimulationResult:
     """Predict the peak bytes of one forward plus backward with ``segments`` recomputed.
 
-    ``segments`` are :class:`planner.plan.Segment` objects or plain lists of node names (fully
+    ``segments`` are :class:`planner.core.plan.Segment` objects or plain lists of node names (fully
     recomputed); each must be a contiguous run of recomputable compute nodes (see
     :func:`validate_segments`). No segments is the unoptimized step. In a selective segment the
     outputs of its ``kept_nodes`` are kept from the forward (held until the segment's recompute
@@ -168,7 +168,7 @@ def fits_budget(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], b
     near the budget reject most of them).
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> g = CostGraph(
         ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
         ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
@@ -323,7 +323,7 @@ def _recompute(
     stop = max(i for i in idx if nodes[i].saved_storages)
     run = [i for i in idx if i <= stop]
     # the recompute stops once the last node has saved its tensors: one that saves only what
-    # existed before it ran (planner.rerun) never runs its kernel, so makes no output there
+    # existed before it ran (planner.core.rerun) never runs its kernel, so makes no output there
     skipped = stop if after_last_save_fraction(graph, nodes[stop]) >= 1.0 else -1
     inside = {nodes[i].name for i in run}
     last_use: dict[int, int] = {}

@@ -1,9 +1,9 @@
 """The plan with the smallest peak the planner's searches reach: :func:`minimum_peak_plan`.
 
 It names the smallest budget when one is refused, and starts a sweep. An ILP over the first
-stages minimises its account's peak (:mod:`planner.milp`); local moves judged by the simulator
-lower it (:func:`planner.refine.lower_peak`); on small graphs the exact search bisects it
-(:mod:`planner.relaxation`); then the chain DP's starts lower it further
+stages minimises its account's peak (:mod:`planner.solvers.stage_ilp`); local moves judged by the simulator
+lower it (:func:`planner.solvers.refine.lower_peak`); on small graphs the exact search bisects it
+(:mod:`planner.solvers.relaxation`); then the chain DP's starts lower it further
 (:func:`_lowest_by_dp_starts`). See docs/design.md#smallest-peak.
 """
 
@@ -14,21 +14,21 @@ import math
 import time
 from typing import Any
 
-from planner.costgraph import MIB, CostGraph
-from planner.errors import SolverError, check_max_stages, check_time_limit
-from planner.keep import segment_with_kept
-from planner.milp import _choose_solver, _run_solver, _solve_ilp
-from planner.plan import Plan, Segment
-from planner.refine import ALL_CUTS_BELOW, lower_peak
-from planner.relaxation import search_cheapest
-from planner.simulate import simulate
-from planner.stage_model import StageModel, build_stage_model
-from planner.stage_plans import _segments, _short_segments_plan, _tightened, _to_plan, short_segment_shapes
-from planner.stages import build_stages
+from planner.core.costgraph import MIB, CostGraph
+from planner.core.errors import SolverError, check_max_stages, check_time_limit
+from planner.solvers.keep import segment_with_kept
+from planner.solvers.stage_ilp import _choose_solver, _run_solver, _solve_ilp
+from planner.core.plan import Plan, Segment
+from planner.solvers.refine import ALL_CUTS_BELOW, lower_peak
+from planner.solvers.relaxation import search_cheapest
+from planner.core.simulate import simulate
+from planner.solvers.stage_model import StageModel, build_stage_model
+from planner.solvers.stage_plans import _segments, _short_segments_plan, _tightened, _to_plan, short_segment_shapes
+from planner.core.stages import build_stages
 
 __all__ = ["minimum_peak_plan"]
 
-log = logging.getLogger("planner.solve")  # every module of a solve logs as planner.solve
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: First step below the lowest peak of the chain DP's descent (docs/tuning.md#dp_descent_first_step).
 DP_DESCENT_FIRST_STEP = 0.01
@@ -53,9 +53,9 @@ def minimum_peak_plan(
     lower_by_dp: bool = True,
 ) -> Plan:
     """The plan with the smallest peak found, whatever it costs: the ILP's, lowered further by
-    local moves judged by the simulator (:func:`planner.refine.lower_peak`, up to ``refine_s``)
+    local moves judged by the simulator (:func:`planner.solvers.refine.lower_peak`, up to ``refine_s``)
     and, with ``exact`` (default: graphs under 64 compute nodes), by bisecting the budget with
-    the search of :mod:`planner.relaxation`, which makes it the smallest over the stages (within
+    the search of :mod:`planner.solvers.relaxation`, which makes it the smallest over the stages (within
     0.1 %) unless the bisection runs out of ``exact_s`` seconds (default ``time_limit_s``) first.
     ``infeasible_bytes``: a budget already proven to fit no plan over the stages (the bisection
     starts above it).
@@ -69,13 +69,13 @@ def minimum_peak_plan(
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
         >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
         >>> for i in range(1, 9):
         ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
         ...                           saved_storages=(i,), output_bytes=2**20, requires_grad=True, time_ms=1.0))
         >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(9)), ("n8",))
-        >>> from planner.solve import solve
+        >>> from planner.solvers.solve import solve
         >>> lowest = minimum_peak_plan(g)
         >>> lowest.predicted_peak_bytes < simulate(g).peak_bytes
         True
@@ -123,7 +123,7 @@ def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Seg
                          solver: str | None, time_limit_s: float,
                          infeasible_bytes: int = 0) -> tuple[list[Segment], int]:
     """Lower the smallest peak found by bisecting the budget with the optimistic account's
-    search (:func:`planner.relaxation.search_cheapest`): a budget it proves that no plan over
+    search (:func:`planner.solvers.relaxation.search_cheapest`): a budget it proves that no plan over
     the stages fits is a lower end, a plan it finds is a new upper end. Starts above
     ``infeasible_bytes`` (a budget proven to fit no plan) or the persistent bytes. Stops within
     0.1 % of the smallest peak over the stages, at the first search that neither finds nor

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from planner.replay_facts import ReplayFacts, replay_facts
+from planner.core.replay_facts import ReplayFacts, replay_facts
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
@@ -74,7 +74,7 @@ class CostNode:
         backward_peak_bytes: the same for the node's backward.
         selective_save: a selective checkpoint policy can keep this node's outputs from the
             forward instead of recomputing them (a function call that aliases no input, writes
-            nothing in place and draws no random numbers); :mod:`planner.keep` decides which.
+            nothing in place and draws no random numbers); :mod:`planner.solvers.keep` decides which.
         viewed_storages: storages of its inputs that ops inside the node return views of (a
             linear reshapes its input): a selective policy keeping the node holds them too.
         after_last_save_fraction: the share of the node's forward (FLOPs, or dispatched ops for
@@ -82,7 +82,7 @@ class CostNode:
             checkpoint recompute stops there when the node is the last of its segment to save
             anything (a linear saves its inputs before its matmul: 1.0; a relu saves its output
             after: 0.0). None when
-            not measured: :mod:`planner.rerun` then infers it from the saved storages.
+            not measured: :mod:`planner.core.rerun` then infers it from the saved storages.
         after_last_save_time_fraction: the same share of the node's forward time, measured in
             the warm timing passes for nodes with a share strictly between 0 and 1 (CPU
             attention: half its FLOPs but less of its time come after it saves its softmax).
@@ -170,7 +170,7 @@ class CostGraph:
 
     @cached_property
     def replay_facts(self) -> ReplayFacts:
-        """What every replay of this graph needs and no plan changes (:mod:`planner.replay_facts`)."""
+        """What every replay of this graph needs and no plan changes (:mod:`planner.core.replay_facts`)."""
         return replay_facts(self)
 
     @property

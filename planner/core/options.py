@@ -6,7 +6,7 @@ Example:
     >>> PlanOptions(max_stages=0)
     Traceback (most recent call last):
     ...
-    planner.errors.InputError: max_stages must be a positive integer (32 by default), got 0
+    planner.core.errors.InputError: max_stages must be a positive integer (32 by default), got 0
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.errors import InputError, check_max_stages, check_time_limit
+from planner.core.errors import InputError, check_max_stages, check_time_limit
 
 __all__ = ["PlanOptions", "check_budget_gb", "MAX_PLAUSIBLE_BUDGET_GB"]
 
@@ -52,7 +52,7 @@ class PlanOptions:
 
     ``reserve_gb``: room kept outside the plan; ``safety_margin``: share of the rest kept free;
     ``max_stages``, ``solver``, ``time_limit_s``, ``selective``, ``exact``, ``max_solve_s``: see
-    :func:`planner.solve.solve`; ``world_size``: ranks the parameters are sharded over.
+    :func:`planner.solvers.solve.solve`; ``world_size``: ranks the parameters are sharded over.
     """
 
     reserve_gb: float = 0.0

@@ -1,4 +1,4 @@
-"""The stage ILP's memory account (:mod:`planner.stage_model`) solved by dynamic programming
+"""The stage ILP's memory account (:mod:`planner.solvers.stage_model`) solved by dynamic programming
 over the chain of stages, instead of by branch and bound.
 
 A plan is a set of non-overlapping candidate segments. Walking the stages in order, what a plan
@@ -12,7 +12,7 @@ live. Labels with the same held groups are compared by (cost, stored): one that 
 and stores no less is dropped. The cheapest label past the last stage is the plan.
 
 Kept outputs (selective models): a segment may keep, in each of its stages, one of the stage's
-keep options (:class:`planner.stage_model.KeepOption`), as the ILP's ``keep`` variables do. A
+keep options (:class:`planner.solvers.stage_model.KeepOption`), as the ILP's ``keep`` variables do. A
 kept option's storages are held from its stage on and its saved time comes off the cost. Those
 choices are made stage by stage inside the segment's step, each followed by that stage's
 memory check, and partial choices with the same held groups are compared like labels; the
@@ -24,9 +24,9 @@ million (0.6 s) on a 24-layer GPT-2 on 491 stages, ten million (6 s) on a 94-lay
 1,024 stages; past ``max_labels`` it stops with :class:`ChainSearchTooLarge`.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.stages import build_stages
-    >>> from planner.stage_model import build_stage_model
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.stages import build_stages
+    >>> from planner.solvers.stage_model import build_stage_model
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i in range(1, 9):   # a chain; later nodes take longer to recompute
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.errors import PlannerError
-from planner.stage_model import StageModel, holder_groups
+from planner.core.errors import PlannerError
+from planner.solvers.stage_model import StageModel, holder_groups
 
 __all__ = ["ChainPlan", "ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_plan", "cheapest_segments"]
 
@@ -179,7 +179,7 @@ def _pruned(stored: np.ndarray, cost: np.ndarray, *rest: np.ndarray) -> tuple[np
 def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS
                       ) -> list[tuple[int, int]] | None:
     """The candidate segments of ``model`` (as ``(first stage, last stage)``) that the ILP of
-    :func:`planner.milp._solve_ilp` would choose at ``budget_mib``, at its optimum: the least
+    :func:`planner.solvers.stage_ilp._solve_ilp` would choose at ``budget_mib``, at its optimum: the least
     recompute time (plus the ILP's per-segment tie-break) whose linear account fits; None when
     none fits. For a segments-only model; :func:`cheapest_plan` also chooses keep options.
 
@@ -194,7 +194,7 @@ def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DE
 
 
 def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS) -> ChainPlan | None:
-    """The segments and keep options of ``model`` that the ILP of :func:`planner.milp._solve_ilp`
+    """The segments and keep options of ``model`` that the ILP of :func:`planner.solvers.stage_ilp._solve_ilp`
     would choose at ``budget_mib``, at its optimum: the least recompute time (plus the ILP's
     per-segment tie-break, less the kept options' saved time) whose linear account fits; None
     when none fits.
@@ -203,9 +203,9 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
         ChainSearchTooLarge: more than ``max_labels`` labels were kept.
 
     Example:
-        >>> from planner.costgraph import CostGraph, CostNode, Storage
-        >>> from planner.stages import build_stages
-        >>> from planner.stage_model import build_stage_model
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> from planner.core.stages import build_stages
+        >>> from planner.solvers.stage_model import build_stage_model
         >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
         >>> for i in range(1, 9):  # a matmul (4 ms, 1 MiB out), then a pointwise op (0.5 ms, 4 MiB out)
         ...     mm = i % 2 == 1

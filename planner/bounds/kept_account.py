@@ -1,13 +1,13 @@
-"""The optimistic memory account of :mod:`planner.relaxation`, extended to plans with kept outputs.
+"""The optimistic memory account of :mod:`planner.solvers.relaxation`, extended to plans with kept outputs.
 
-A selective segment (:mod:`planner.keep`) keeps the outputs of some of its nodes from the
+A selective segment (:mod:`planner.solvers.keep`) keeps the outputs of some of its nodes from the
 forward instead of recomputing them: a kept node is not re-run, and what it allocated stays
 held (by the selective policy's cache) from its forward until its segment's recompute, with
 the input storages its ops returned views of. :class:`KeptOutputsAccount` adds that choice to
 the account, node by node, and stays optimistic: for every plan of segments with kept outputs
-it never predicts more than :func:`planner.simulate.simulate`, moment by moment.
+it never predicts more than :func:`planner.core.simulate.simulate`, moment by moment.
 
-* ``x[j]``: node ``j`` is kept. Only a node :func:`planner.keep.keepable_in_segment` allows: one
+* ``x[j]``: node ``j`` is kept. Only a node :func:`planner.solvers.keep.keepable_in_segment` allows: one
   the profiler marked ``selective_save``, in a segment that goes on to a later node saving
   something for backward (so the same segment covers ``j``'s stage and that node's stage).
 * what ``j`` holds is counted from its forward on, and in the backward until its segment's
@@ -24,9 +24,9 @@ variables (``joined[t]``: one segment covers stages ``t`` and ``t + 1``), so the
 variables and constraints in proportion to nodes times stages, not to segments times nodes.
 
 Example:
-    >>> from planner.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.simulate import simulate
-    >>> from planner.stages import build_stages
+    >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+    >>> from planner.core.simulate import simulate
+    >>> from planner.core.stages import build_stages
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     >>> for i, (ms, mib) in enumerate([(8.0, 1), (1.0, 4)] * 3, start=1):  # slow-small, fast-large
     ...     nodes.append(CostNode(f"n{i}", "op", input_names=(nodes[-1].name,), output_storages=(i,),
@@ -41,7 +41,7 @@ Example:
     >>> _ = account.prob.solve(pulp.PULP_CBC_CMD(msg=False))
     >>> round(pulp.value(account.prob.objective), 6), account.chosen_runs(), account.chosen_kept()
     (1.0, [(0, 3)], ['n1', 'n2', 'n3'])
-    >>> from planner.keep import segment_with_kept
+    >>> from planner.solvers.keep import segment_with_kept
     >>> plan = [segment_with_kept(g, ("n1", "n2", "n3", "n4"), {"n1", "n2", "n3"})]
     >>> plan[0].recompute_ms, simulate(g, plan).peak_bytes <= 20 * 2**20  # the simulator agrees
     (1.0, True)
@@ -54,10 +54,10 @@ from collections.abc import Mapping
 
 import pulp
 
-from planner.costgraph import CostGraph
-from planner.keep import kept_storages
-from planner.relaxation import OptimisticAccount
-from planner.stages import Stage
+from planner.core.costgraph import CostGraph
+from planner.solvers.keep import kept_storages
+from planner.solvers.relaxation import OptimisticAccount
+from planner.core.stages import Stage
 
 __all__ = ["KeptOutputsAccount"]
 
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 
 class KeptOutputsAccount(OptimisticAccount):
-    """:class:`planner.relaxation.OptimisticAccount` with a keep decision per node (module
+    """:class:`planner.solvers.relaxation.OptimisticAccount` with a keep decision per node (module
     docstring). Set the objective with :meth:`cost_expression`; read the chosen plan with
     :meth:`chosen_runs` and :meth:`chosen_kept`."""
 

@@ -1,0 +1,1 @@
+"""Lower bounds on the recompute any plan needs at a budget."""

@@ -1,0 +1,1 @@
+"""The torch-free core: the cost graph, plans, the simulator, options and errors."""

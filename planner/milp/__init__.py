@@ -1,0 +1,1 @@
+"""MILP plumbing: HiGHS as the planner runs it, and PuLP's import side effects."""

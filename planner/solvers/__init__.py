@@ -1,0 +1,1 @@
+"""The solvers: the strategy (``solve``) and the searches, stage models and candidates it uses."""
