@@ -1,7 +1,7 @@
 """Automatic activation-checkpoint planning.
 
 The solver side (``CostGraph``, ``Plan``, ``simulate``, ``solve``) imports only the standard
-library, networkx-free PuLP and nothing from torch. ``optimize`` needs torch and is loaded on
+library, PuLP and numpy, and nothing from torch. ``optimize`` needs torch and is loaded on
 first use.
 
 Example:

@@ -36,7 +36,7 @@ import time
 from planner.core.costgraph import CostGraph
 from planner.solvers.deadline import SolveDeadline
 from planner.core.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
-from planner.solvers.hand_policies import hand_placed_plans
+from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks
 from planner.solvers.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
 from planner.solvers.keep import keep_outputs
 from planner.solvers.stage_ilp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
@@ -57,6 +57,8 @@ log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs
 
 #: Budgets within this of the smallest peak keep outputs in its plan (docs/tuning.md#keep_from_smallest_peak_within).
 KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
+#: Stages per repeated block of the start that resolves each block (docs/tuning.md#stages_per_repeated_block).
+STAGES_PER_REPEATED_BLOCK = 8
 #: Solver label of a hand-placed candidate that no search beat.
 HAND_PLACED = "hand-placed"
 #: Branch-and-bound nodes of the first ILP, on ``max_stages`` stages (docs/tuning.md#first_ilp_nodes).
@@ -205,9 +207,13 @@ def solve(
                                      solver=solver, time_limit_s=deadline.cut(finer_limit_s),
                                      max_attempts=max_attempts, started=started, rounds=finer_rounds,
                                      by_chain_dp=by_chain_dp)
-        for stage_count, max_segment_stages in (short_segment_shapes(len(graph.compute_nodes), max_stages,
-                                                                     finest=by_chain_dp)
-                                                if short_segments and not selective else []):
+        shapes = short_segment_shapes(len(graph.compute_nodes), max_stages, finest=by_chain_dp)
+        # a start that resolves every repeated block (a deep model on max_stages stages has
+        # several layers a stage, where the hand-placed plans cut at every layer)
+        per_block = STAGES_PER_REPEATED_BLOCK * sum(len(stack) for stack in repeated_blocks(graph))
+        if by_chain_dp and per_block > len(stages):
+            shapes.insert(0, (per_block, 2 * STAGES_PER_REPEATED_BLOCK))
+        for stage_count, max_segment_stages in (shapes if short_segments and not selective else []):
             if not deadline.allows(f"the short segments on {stage_count} stages"):
                 break
             short, short_stages = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes,
