@@ -70,16 +70,23 @@ class NodeTimes:
 
 
 def pass_spread(totals_ms: list[float]) -> float:
-    """``(slowest - fastest) / median`` of some timings: 0 for steady ones.
+    """``(slowest - fastest) / median`` of some timings, 0 for steady ones; from five timings
+    on, the one slowest and the one fastest are left out, so a single hiccup of the machine
+    does not count as noise of the whole.
 
     Example:
         >>> pass_spread([10.0, 11.0, 12.0])
         0.18181818181818182
+        >>> pass_spread([10.0, 10.0, 10.0, 10.0, 30.0])
+        0.0
     """
-    if len(totals_ms) < 2:
+    values = sorted(totals_ms)
+    if len(values) < 2:
         return 0.0
-    median = statistics.median(totals_ms)
-    return (max(totals_ms) - min(totals_ms)) / median if median > 0 else 0.0
+    if len(values) >= 5:
+        values = values[1:-1]
+    median = statistics.median(values)
+    return (values[-1] - values[0]) / median if median > 0 else 0.0
 
 
 def _pass_totals(times_ms: dict[str, list[float]]) -> list[float]:

@@ -45,6 +45,7 @@ from profiling.measure import (
     unflatten_output,
 )
 from profiling.node_times import (
+    MAX_TIMING_PASSES,
     TIMING_SPREAD_LIMIT,
     Timer,
     pass_spread,
@@ -216,16 +217,21 @@ def _warn_if_noisy(timing: dict[str, Any]) -> None:
 
 def _step_times_ms(gm: torch.fx.GraphModule, inputs: StepInputs, timer: Timer, repeats: int) -> list[float]:
     """Times of ``repeats`` training steps of ``gm`` after an untimed one, gradients cleared
-    before each (as a loop calling ``zero_grad(set_to_none=True)`` does); the model's RNG state,
-    buffers and ``.grad`` are restored afterwards."""
+    before each (as a loop calling ``zero_grad(set_to_none=True)`` does), and more, up to
+    :data:`MAX_TIMING_PASSES`, while they spread by more than :data:`TIMING_SPREAD_LIMIT`, as
+    the node passes do; the model's RNG state, buffers and ``.grad`` are restored afterwards."""
     times_ms: list[float] = []
+    repeats = max(1, repeats)
     with preserved_state(gm):
-        for timed in [False] + [True] * max(1, repeats):
+        warm_up = True
+        while warm_up or len(times_ms) < repeats or (len(times_ms) < MAX_TIMING_PASSES
+                                                     and pass_spread(times_ms) > TIMING_SPREAD_LIMIT):
             for p in gm.parameters():
                 p.grad = None
             elapsed_ms = timer(lambda: run_step(gm, inputs))
-            if timed:
+            if not warm_up:
                 times_ms.append(elapsed_ms)
+            warm_up = False
     return times_ms
 
 
