@@ -80,20 +80,24 @@ def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
     return [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
 
 
-def _recomputable_runs(graph: CostGraph, block: Sequence[str]) -> list[tuple[str, ...]]:
-    """The block's recomputable nodes as maximal runs that are contiguous in the graph's compute
-    order (a segment must be one): a node outside the block or one that must run once ends a run."""
-    members = set(block)
-    runs: list[tuple[str, ...]] = []
+def _recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list[list[tuple[str, ...]]]:
+    """Each block's recomputable nodes as maximal runs that are contiguous in the graph's compute
+    order (a segment must be one): a node outside the block or one that must run once ends a
+    run. One pass over the graph for all blocks."""
+    owner = {name: index for index, block in enumerate(blocks) for name in block}
+    runs: list[list[tuple[str, ...]]] = [[] for _ in blocks]
     current: list[str] = []
+    current_owner = -1
     for node in graph.compute_nodes:
-        if node.name in members and node.recomputable:
-            current.append(node.name)
-        elif current:
-            runs.append(tuple(current))
+        index = owner.get(node.name, -1) if node.recomputable else -1
+        if current and index != current_owner:
+            runs[current_owner].append(tuple(current))
             current = []
+        if index >= 0:
+            current.append(node.name)
+        current_owner = index
     if current:
-        runs.append(tuple(current))
+        runs[current_owner].append(tuple(current))
     return runs
 
 
@@ -107,19 +111,22 @@ def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> l
     (:data:`SAVED_MATMUL_OPS`, where a selective policy can keep them). Costs are what each
     recompute reruns (:func:`planner.solvers.keep.segment_with_kept`). No stacks: no plans."""
     stacks = repeated_blocks(graph)
+    runs_of = dict(zip((id(block) for stack in stacks for block in stack),
+                       _recomputable_runs(graph, [block for stack in stacks for block in stack])))
+    plain: dict[tuple[str, ...], Segment] = {}
+    matmul: dict[tuple[str, ...], Segment] = {}
+    for run in (run for block_runs in runs_of.values() for run in block_runs):
+        plain[run] = segment_with_kept(graph, run)
+        matmul[run] = segment_with_kept(graph, run, {n for n in run if graph.node(n).op in SAVED_MATMUL_OPS
+                                                     and graph.node(n).selective_save})
     plans: list[HandPlan] = []
     for k in range(1, max_k + 1):
-        chosen = [block for stack in stacks if len(stack) > k or k == 1
-                  for index, block in enumerate(stack) if index % k == 0]
-        if not chosen:
-            continue
-        runs = [run for block in chosen for run in _recomputable_runs(graph, block)]
+        runs = [run for stack in stacks if len(stack) > k or k == 1
+                for index, block in enumerate(stack) if index % k == 0 for run in runs_of[id(block)]]
         if not runs:
             continue
         name = f"every {_ordinal(k)}layer"
-        plans.append(HandPlan(name, tuple(segment_with_kept(graph, run) for run in runs)))
-        matmuls = tuple(segment_with_kept(graph, run, {n for n in run if graph.node(n).op in SAVED_MATMUL_OPS
-                                                       and graph.node(n).selective_save}) for run in runs)
-        if any(s.kept_nodes for s in matmuls):
-            plans.append(HandPlan(f"{name}, matmul outputs kept", matmuls))
+        plans.append(HandPlan(name, tuple(plain[run] for run in runs)))
+        if any(matmul[run].kept_nodes for run in runs):
+            plans.append(HandPlan(f"{name}, matmul outputs kept", tuple(matmul[run] for run in runs)))
     return plans
