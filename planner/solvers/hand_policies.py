@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.costgraph import CostGraph
+from planner.solvers.block_structure import structural_blocks
 from planner.solvers.keep import segment_with_kept
 from planner.core.plan import Segment
 
@@ -71,13 +72,15 @@ def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
     module list (``transformer.h``, ``encoder.block``, ``blocks``) with two or more indexed
     children is a stack, and each child's compute nodes, in graph order, a block. Stacks are in
     the order their first node runs; a node inside a nested list (``layers.0.experts.1``)
-    belongs to its outermost block."""
+    belongs to its outermost block. A graph without such paths gets the stacks its structure
+    shows (:func:`planner.solvers.block_structure.structural_blocks`)."""
     stacks: dict[str, dict[int, list[str]]] = {}
     for node in graph.compute_nodes:
         found = _outer_block(node.module)
         if found is not None:
             stacks.setdefault(found[0], {}).setdefault(found[1], []).append(node.name)
-    return [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
+    by_path = [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
+    return by_path or structural_blocks(graph)
 
 
 def _recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list[list[tuple[str, ...]]]:

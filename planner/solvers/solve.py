@@ -58,7 +58,12 @@ log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs
 #: Budgets within this of the smallest peak keep outputs in its plan (docs/tuning.md#keep_from_smallest_peak_within).
 KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
 #: Stages per repeated block of the start that resolves each block (docs/tuning.md#stages_per_repeated_block).
-STAGES_PER_REPEATED_BLOCK = 8
+STAGES_PER_REPEATED_BLOCK = 16
+#: At most this many stages in that start: deeper models get fewer a block, down to
+#: :data:`MIN_STAGES_PER_REPEATED_BLOCK` (docs/tuning.md#per_block_start_max_stages).
+PER_BLOCK_START_MAX_STAGES = 512
+#: Fewest stages a block of the per-block start (docs/tuning.md#per_block_start_max_stages).
+MIN_STAGES_PER_REPEATED_BLOCK = 8
 #: Solver label of a hand-placed candidate that no search beat.
 HAND_PLACED = "hand-placed"
 #: Branch-and-bound nodes of the first ILP, on ``max_stages`` stages (docs/tuning.md#first_ilp_nodes).
@@ -210,9 +215,11 @@ def solve(
         shapes = short_segment_shapes(len(graph.compute_nodes), max_stages, finest=by_chain_dp)
         # a start that resolves every repeated block (a deep model on max_stages stages has
         # several layers a stage, where the hand-placed plans cut at every layer)
-        per_block = STAGES_PER_REPEATED_BLOCK * sum(len(stack) for stack in repeated_blocks(graph))
-        if by_chain_dp and per_block > len(stages):
-            shapes.insert(0, (per_block, 2 * STAGES_PER_REPEATED_BLOCK))
+        blocks = sum(len(stack) for stack in repeated_blocks(graph))
+        stages_a_block = max(MIN_STAGES_PER_REPEATED_BLOCK,
+                             min(STAGES_PER_REPEATED_BLOCK, PER_BLOCK_START_MAX_STAGES // max(blocks, 1)))
+        if by_chain_dp and blocks and stages_a_block * blocks > len(stages):
+            shapes.insert(0, (stages_a_block * blocks, 2 * stages_a_block))
         for stage_count, max_segment_stages in (shapes if short_segments and not selective else []):
             if not deadline.allows(f"the short segments on {stage_count} stages"):
                 break
