@@ -1,10 +1,10 @@
-"""Plan quality on deep graphs: predicted recompute of the single finer pass of before against the defaults.
+"""Plan quality on deep graphs: predicted recompute of a single finer pass against the defaults.
 
 GPT-2-style graphs of many layers (width 256, batch 4 x 128, as in ``benchmarks/solve_time.py``)
 are captured with torch.export and profiled on fake tensors (compute times from the profiler's
 roofline, no real memory used). At each budget, a fraction of the simulated unoptimized peak,
 the planner solves with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the
-first stages, the default before the finer rounds) and with the defaults. The figures are the
+first stages) and with the defaults. The figures are the
 planner's predictions (recompute time over the profiled step), not measurements: the 4-layer
 quality models and ``benchmarks/finer_rounds.py`` measure plans at the allocator and the clock.
 
@@ -36,7 +36,7 @@ GPT-2-style graphs (HuggingFace `GPT2LMHeadModel`, width 256, batch 4 x 128) of 
 layers, captured with `torch.export` and profiled on fake tensors: op times from the roofline,
 no memory allocated. Budgets are fractions of the simulated unoptimized peak. Each cell gives
 the predicted recompute time as a share of the profiled step for two configurations of
-`planner.solvers.solve.solve`: "single finer pass (before)" is `finer_rounds=1, short_segments=False`
+`planner.solvers.solve.solve`: "single finer pass" is `finer_rounds=1, short_segments=False`
 (one finer pass on about twice the first stages); the figure after the arrow is the defaults
 (finer rounds, short-segment and finest starts, see
 [How the planner decides](../design.md#how-the-planner-decides)). The figures are
@@ -44,18 +44,18 @@ predictions, not measurements; [finer_rounds.md](finer_rounds.md) measures the s
 comparison at the allocator and the clock. "every peak within its budget" checks each plan's
 simulated peak.
 """}
-BEFORE = {"finer_rounds": 1, "short_segments": False}
+ONE_PASS = {"finer_rounds": 1, "short_segments": False}
 
 
-def _cell(percent_before: float, percent_now: float) -> str:
-    return f"{percent_before:.1f} % -> {percent_now:.1f} %"
+def _cell(percent_one_pass: float, percent_now: float) -> str:
+    return f"{percent_one_pass:.1f} % -> {percent_now:.1f} %"
 
 
 def run(layer_counts: list[int], fractions: list[float]) -> str:
     started = time.perf_counter()
     header = " | ".join(f"{f:.0%} of the peak" for f in fractions)
     lines = [
-        "Predicted recompute time as a share of the profiled step, single finer pass (before) -> defaults; "
+        "Predicted recompute time as a share of the profiled step, single finer pass -> defaults; "
         "solve times of the defaults.\n",
         f"| layers | compute nodes | {header} | solve (defaults) | every peak within its budget |",
         "|---|---|" + "---|" * len(fractions) + "---|---|",
@@ -67,12 +67,12 @@ def run(layer_counts: list[int], fractions: list[float]) -> str:
         cells, solve_times, within = [], [], True
         for fraction in fractions:
             budget = int(unoptimized * fraction)
-            before = solve(graph, budget, **BEFORE)
+            one_pass = solve(graph, budget, **ONE_PASS)
             t0 = time.perf_counter()
             now = solve(graph, budget)
             solve_times.append(time.perf_counter() - t0)
-            within = within and all(p.predicted_peak_bytes <= budget for p in (before, now))
-            cells.append(_cell(100 * before.recompute_ms / graph.step_ms, 100 * now.recompute_ms / graph.step_ms))
+            within = within and all(p.predicted_peak_bytes <= budget for p in (one_pass, now))
+            cells.append(_cell(100 * one_pass.recompute_ms / graph.step_ms, 100 * now.recompute_ms / graph.step_ms))
             log.info("%d layers at %.0f %%: %s", layers, 100 * fraction, cells[-1])
         lines.append(f"| {layers} | {len(graph.compute_nodes)} | {' | '.join(cells)} "
                      f"| {min(solve_times):.1f} to {max(solve_times):.1f} s | {'yes' if within else 'NO'} |")

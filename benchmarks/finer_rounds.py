@@ -1,9 +1,9 @@
-"""Finer rounds on a deeper model: the single finer pass of before against the default, measured.
+"""Finer rounds on a deeper model: a single finer pass against the default, measured.
 
 A 12-layer GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256; about 550 compute nodes) is
 profiled once. At each budget (a fraction of the measured unoptimized peak) the planner solves
-with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the first stages, the
-default before) and with the defaults (:data:`planner.solvers.solve.FINER_PASS_ROUNDS` rounds, and the
+with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the first stages)
+and with the defaults (:data:`planner.solvers.solve.FINER_PASS_ROUNDS` rounds, and the
 short-segments start), as ``optimize`` plans (1 % safety margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
 as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
 process).
@@ -44,7 +44,7 @@ DOC_ABOUT = """\
 
 A GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256) profiled once on this CPU. At each
 budget, a fraction of the measured unoptimized peak, two plans as `optimize` makes them (1 %
-safety margin): "one (before)" is `solve(..., finer_rounds=1, short_segments=False)`, a single
+safety margin): "one round" is `solve(..., finer_rounds=1, short_segments=False)`, a single
 finer pass on about twice the first stages; "2 rounds, short segments (default)" is the
 default solve (finer rounds, short-segment and finest starts, see
 [How the planner decides](../design.md#how-the-planner-decides)). Each plan is run: measured
@@ -72,11 +72,11 @@ class Measured:
     step_time: float = float("nan")
 
 
-def planned(graph: CostGraph, budget_bytes: int, before: bool) -> tuple[Plan, float]:
+def planned(graph: CostGraph, budget_bytes: int, one_pass: bool) -> tuple[Plan, float]:
     """The plan ``optimize`` would make at ``budget_bytes`` (no reserve, one rank), with the
-    single finer pass of before or the defaults, and its solve time."""
+    single finer pass or the defaults, and its solve time."""
     started = time.perf_counter()
-    options = {"finer_rounds": 1, "short_segments": False} if before else {}
+    options = {"finer_rounds": 1, "short_segments": False} if one_pass else {}
     plan = solve(protect_reads_before_writes(graph), int(budget_bytes * (1 - SAFETY_MARGIN)), **options)
     return dataclasses.replace(plan, budget_bytes=budget_bytes), time.perf_counter() - started
 
@@ -99,9 +99,9 @@ def run(layers: int, fractions: list[float], repeats: int) -> str:
     for fraction in fractions:
         budget = int(base_peak * fraction)
         rows: list[tuple[str, Measured]] = []
-        for before in (True, False):
-            rounds = "one (before)" if before else f"{FINER_PASS_ROUNDS} rounds, short segments (default)"
-            plan, solve_s = planned(graph, budget, before)
+        for one_pass in (True, False):
+            rounds = "one round" if one_pass else f"{FINER_PASS_ROUNDS} rounds, short segments (default)"
+            plan, solve_s = planned(graph, budget, one_pass)
             module = CheckpointedModule(apply_plan(trace_module(model, example), plan), model, plan,
                                         cost_graph=graph, example_inputs=example)
             peak = measure_step_peak_bytes(module, inputs)
