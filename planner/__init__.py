@@ -42,6 +42,8 @@ __all__ = [
     "Storage",
     "TraceError",
     "available_solvers",
+    "disable",
+    "enable",
     "minimum_peak_plan",
     "optimize",
     "recompute_bound",
@@ -55,4 +57,8 @@ def __getattr__(name: str) -> Any:
         from planner.pipeline import optimize
 
         return optimize
+    if name in ("enable", "disable"):
+        from planner.integrations import inplace
+
+        return getattr(inplace, name)
     raise AttributeError(f"module 'planner' has no attribute {name!r}")

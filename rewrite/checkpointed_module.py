@@ -206,6 +206,20 @@ class CheckpointedModule(torch.nn.Module):
         """
         return self._variant(StepInputs(args, kwargs), explicit=True).plan
 
+    def training_graph_for(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        """The rewritten graph a training call with ``args``/``kwargs`` runs (planned first if
+        needed, as a forward would): call it with the same arguments. ``planner.enable`` runs
+        it from the model's own ``forward``.
+
+        Example:
+            >>> from planner import optimize
+            >>> opt = optimize(torch.nn.Linear(8, 8), (torch.randn(4, 8),), budget_gb=1.0)
+            >>> x = torch.randn(4, 8)
+            >>> opt.training_graph_for(x)(x).shape
+            torch.Size([4, 8])
+        """
+        return self._variant(StepInputs(args, kwargs)).graph_module
+
     @torch.compiler.disable
     def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
         key = self._key(inputs)
