@@ -53,6 +53,7 @@ __all__ = [
     "GIB",
     "ROOT",
     "checkpoint_every_k",
+    "SAVED_MATMUL_ATEN_OPS",
     "command_line",
     "find_layers",
     "publish_doc",
@@ -145,13 +146,42 @@ def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
-def checkpoint_every_k(model: torch.nn.Module, k: int) -> torch.nn.Module:
+#: What the save-matmuls policy of torchtitan and Megatron keeps inside a checkpointed layer:
+#: matmul and attention outputs; everything else is recomputed.
+SAVED_MATMUL_ATEN_OPS = (
+    "mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def _save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(op, "__name__", "").split(".")[0]
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_MATMUL_ATEN_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_matmuls_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return torch.utils.checkpoint.checkpoint(
+        forward, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy), **kwargs)
+
+
+def checkpoint_every_k(model: torch.nn.Module, k: int, save_matmuls: bool = False) -> torch.nn.Module:
     """A deep copy of ``model`` whose layers 0, k, 2k, ... (see :func:`find_layers`) each run under
     ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved); ``k=1`` is checkpoint-every-layer,
     what HuggingFace's ``gradient_checkpointing_enable()`` does. The copy's weights equal the model's.
 
     Each chosen layer's ``forward`` is replaced on the instance, so everything that calls the layer
-    (keyword arguments included) goes through the checkpoint. Naive checkpointing runs a
+    (keyword arguments included) goes through the checkpoint. ``save_matmuls`` keeps the matmul
+    and attention outputs of each checkpointed layer (:data:`SAVED_MATMUL_ATEN_OPS`, PyTorch's
+    selective checkpoint contexts) and recomputes the rest: the hand-written selective policy of
+    torchtitan and Megatron. Naive checkpointing runs a
     training-mode BatchNorm inside such a layer twice per step (its running statistics are
     updated again on recompute).
     """
@@ -161,7 +191,8 @@ def checkpoint_every_k(model: torch.nn.Module, k: int) -> torch.nn.Module:
     _, layers = find_layers(wrapped)
     for index, layer in enumerate(layers):
         if index % k == 0:
-            layer.forward = functools.partial(_checkpointed_forward, layer.forward)  # type: ignore[method-assign]
+            wrapper = _save_matmuls_forward if save_matmuls else _checkpointed_forward
+            layer.forward = functools.partial(wrapper, layer.forward)  # type: ignore[method-assign]
     return wrapped.train(model.training)
 
 

@@ -104,3 +104,22 @@ def test_every_layer_baseline_matches_huggingface_gradient_checkpointing(builder
     ours = measure_step_peak_bytes(checkpoint_every_k(model, 1), inputs)
     assert ours == measure_step_peak_bytes(huggingface, inputs)
     assert ours < measure_step_peak_bytes(model, inputs)
+
+
+def test_the_save_matmuls_policy_recomputes_no_matmul_and_trains_as_the_model() -> None:
+    model, example = gpt2(batch=2, seq_len=32, layers=2, width=64, vocab=512)
+    inputs = StepInputs.from_example(example)
+    every = checkpoint_every_k(model, 1)
+    save_matmuls = checkpoint_every_k(model, 1, save_matmuls=True)
+    base_flops = measure_step_flops(model, inputs)
+    # every layer reruns its matmuls; the policy keeps their outputs, so it recomputes no FLOPs
+    assert measure_step_flops(every, inputs) > base_flops
+    assert measure_step_flops(save_matmuls, inputs) == base_flops
+    grads = []
+    for module in (model, save_matmuls):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        module(**example).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
