@@ -44,7 +44,10 @@ __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cach
 log = logging.getLogger(__name__)
 
 #: Bumped when the meaning of a profile changes without a change of its fields.
-CACHE_VERSION = 6  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction
+CACHE_VERSION = 7  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction; 7: fake profiles for a GPU target save what CUDA's kernels save
+#: Versions :func:`load_profile` reads: their files have this version's fields (version 7 changed
+#: what a fake GPU profile holds, not the format), so saved profiles such as the H100 ones load.
+READABLE_CACHE_VERSIONS = (6, 7)
 
 
 def _schema() -> str:
@@ -148,8 +151,9 @@ def load_profile(path: str | os.PathLike[str]) -> CostGraph:
     """
     try:
         payload = json.loads(Path(path).read_text())
-        if payload.get("cache_version") != CACHE_VERSION:
-            raise ProfileError(f"{path}: profile cache version {payload.get('cache_version')}, expected {CACHE_VERSION}")
+        if payload.get("cache_version") not in READABLE_CACHE_VERSIONS:
+            raise ProfileError(f"{path}: profile cache version {payload.get('cache_version')}, expected one of "
+                               f"{READABLE_CACHE_VERSIONS}: profile the model again")
         nodes = tuple(_record(CostNode, n) for n in payload["nodes"])
         storages = tuple(_record(Storage, s) for s in payload["storages"])
         known = {f.name for f in dataclasses.fields(CostGraph)} - {"nodes", "storages", "metadata"}

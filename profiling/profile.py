@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.core.costgraph import CostGraph
 from profiling.cost_nodes import StorageTable, cost_nodes
-from profiling.fake_mode import fake_converter, roofline_times
+from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
     StepInputs,
@@ -119,7 +119,10 @@ def profile_graph(
     (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine;
     temporaries are estimated from the tensors each aten op creates, see
     :class:`profiling.temporaries.FakeAllocationTracker`), times from a FLOP and bytes roofline for ``target``
-    (see :mod:`profiling.roofline`), and nothing is measured. Tensors on the meta device (a
+    (see :mod:`profiling.roofline`, calibrated on H100 measurements for a GPU), and nothing is
+    measured. For a GPU ``target``, attention and dropout save what CUDA's kernels save, and the
+    step's storages are rounded up to the CUDA caching allocator's blocks
+    (:mod:`profiling.gpu_rules`). Tensors on the meta device (a
     model built under ``torch.device("meta")``) work in fake mode: nothing is ever allocated.
     The per-node cost of a selective checkpoint policy is measured on the device
     (:mod:`profiling.selective_overhead`); in fake mode it is unknown and taken as 0.
@@ -146,7 +149,9 @@ def profile_graph(
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()), \
             (tracker if tracker is not None else contextlib.nullcontext()):
         try:
-            flat_out = interp.run(*flat, enable_io_processing=False)
+            # on fake tensors for a GPU, ops whose CUDA kernels save other tensors run as CUDA's
+            with target_kernels(target) if fake else contextlib.nullcontext():
+                flat_out = interp.run(*flat, enable_io_processing=False)
         finally:
             bar.close()
         output = unflatten_output(gm, flat_out)
@@ -189,7 +194,7 @@ def profile_graph(
         _warn_if_noisy(timing)
     graph = CostGraph(
         nodes=nodes,
-        storages=tuple(table.storages),
+        storages=target_storages(table.storages, target) if fake else tuple(table.storages),
         output_names=output_names,
         loss_names=loss_names,
         # with no measured step, forward plus backward is taken as three forwards

@@ -191,6 +191,26 @@ def test_unreadable_cache_file_is_profiled_again(tmp_path, profile_calls):
     assert cached_profile_graph(gm, example, tmp_path).metadata["cache"] == "hit"
 
 
+def test_saved_profiles_of_a_readable_older_version_load_and_others_are_refused(tmp_path):
+    import json
+
+    from planner.core.errors import ProfileError
+    from profiling.cache import CACHE_VERSION, READABLE_CACHE_VERSIONS, save_profile
+
+    model, example = models.residual_mlp(batch=64)
+    graph = profile_graph(trace_module(model, example), example, fake=True)
+    path = tmp_path / "profile.json"
+    save_profile(graph, path, "key")
+    payload = json.loads(path.read_text())
+    assert payload["cache_version"] == CACHE_VERSION
+    for version in READABLE_CACHE_VERSIONS:
+        path.write_text(json.dumps({**payload, "cache_version": version}))
+        assert load_profile(path).nodes == graph.nodes
+    path.write_text(json.dumps({**payload, "cache_version": min(READABLE_CACHE_VERSIONS) - 1}))
+    with pytest.raises(ProfileError, match="profile the model again"):
+        load_profile(path)
+
+
 def test_fake_profile_bytes_are_exact():
     """Fake tensors give the measured profile's bytes for every output and saved activation."""
     model, example = FAST["gpt2"]()
