@@ -74,6 +74,9 @@ def baseline_from(
         "format": BASELINE_FORMAT,
         "version": 1,
         "model": model_name,
+        # how the figures were made: "graph" (a captured graph, on fake tensors: the same bytes on
+        # every machine); the module path measures real steps, so check never uses it
+        "capture": graph.metadata.get("capture", "graph"),
         "unoptimized_peak_bytes": simulate(graph).peak_bytes,
         "persistent_bytes": graph.persistent_bytes,
         "activation_bytes_by_node": graph.saved_bytes_by_node(),
@@ -168,6 +171,8 @@ class CheckResult:
     rows: list[dict[str, Any]] = field(default_factory=list)
     grown_nodes: list[tuple[str, int, int]] = field(default_factory=list)
     new_nodes: list[tuple[str, int]] = field(default_factory=list)
+    #: the path the current figures came from (:attr:`planner.core.plan.Plan.capture`)
+    capture: str = "graph"
 
     @property
     def regressed(self) -> bool:
@@ -177,6 +182,7 @@ class CheckResult:
         return {
             "model": self.model,
             "tolerance": self.tolerance,
+            "capture": self.capture,
             "regressed": self.regressed,
             "rows": self.rows,
             "grown_nodes": [{"node": n, "baseline_bytes": a, "current_bytes": b} for n, a, b in self.grown_nodes],
@@ -197,7 +203,7 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], tolerance: float)
             f"baseline is for model {baseline['model']!r}, not {current['model']!r}: pass the right --baseline, "
             f"or --update to replace it"
         )
-    result = CheckResult(model=current["model"], tolerance=tolerance)
+    result = CheckResult(model=current["model"], tolerance=tolerance, capture=current.get("capture", "graph"))
     old_peak, new_peak = baseline["unoptimized_peak_bytes"], current["unoptimized_peak_bytes"]
     change = _change(old_peak, new_peak)
     result.rows.append({
@@ -250,7 +256,7 @@ def render_check(result: CheckResult, fmt: str = "text", top: int = 10) -> str:
     """The comparison as a text table (``text``) or JSON (``json``)."""
     if fmt == "json":
         return json.dumps(result.to_dict(), indent=2) + "\n"
-    lines = [f"memory check of {result.model} (tolerance {result.tolerance:.1%})", ""]
+    lines = [f"memory check of {result.model} (tolerance {result.tolerance:.1%}, capture: {result.capture})", ""]
     table = [["figure", "baseline", "current", "change", "status"]]
     for row in result.rows:
         change = "-" if row["change"] is None else f"{row['change']:+.1%}"

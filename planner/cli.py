@@ -26,11 +26,13 @@ and holds warnings until a command succeeds.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import importlib.util
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,8 +86,8 @@ def _plan_command(args: argparse.Namespace) -> int:
 
     model, example_inputs = load_entry_point(args.target)
     opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
-                   exact=args.exact or None, max_solve_s=args.max_solve_s,
-                   simplify_attention_masks=args.simplify_attention_masks)
+                   exact=args.exact or None, max_solve_s=args.max_solve_s, trace_method=args.trace_method,
+                   simplify_attention_masks=args.simplify_attention_masks, chunk_loss=args.chunk_loss)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -99,6 +101,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             "optimality_gap": plan.optimality_gap,
             "hit_time_limit": plan.hit_time_limit,
             "computation_changes": list(plan.computation_changes),
+            "capture": plan.capture,
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))
     else:
@@ -205,6 +208,9 @@ def _check_parent_exists(path: str, flag: str) -> None:
 
 
 def _report_command(args: argparse.Namespace) -> int:
+    import torch.fx
+
+    from planner.loss_chunking import loss_chunk_floors, plan_choosing_loss_chunks
     from planner.pipeline import plan_for_budget
     from planner.report import build_report, render
     from planner.sweep import sweep
@@ -218,12 +224,34 @@ def _report_command(args: argparse.Namespace) -> int:
         if args.target_device.lower() not in DEVICE_SPECS:  # before loading: the profiler would say so later
             raise PlannerError(f"unknown target device {args.target_device!r}; use one of {sorted(DEVICE_SPECS)}")
     name, module, inputs = _load_target(args, allow_entry_point=False)
-    if args.target_device:
-        # fake tensors: nothing allocated, times from the target's roofline
-        graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, target=args.target_device)
-    else:
-        graph = profile_graph(_captured(module, inputs, args), inputs)
-    plan = plan_for_budget(graph, args.budget_gb, _plan_options(args))
+    profiles: dict[str, Any] = {}
+
+    def profile(captured: Any) -> Any:  # each capture profiled once (the loss chunks ask again)
+        if captured.code not in profiles:
+            # fake tensors with a target: nothing allocated, times from the target's roofline
+            profiles[captured.code] = (profile_graph(captured, inputs, fake=True, target=args.target_device)
+                                       if args.target_device else profile_graph(captured, inputs))
+        return profiles[captured.code]
+
+    captures = [0]
+
+    def trace() -> Any:  # a saved program is prepared in place: captures after the first work on a copy
+        source = module
+        if captures[0] and isinstance(module, torch.fx.GraphModule):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
+                source = copy.deepcopy(module)
+        captures[0] += 1
+        return _captured(source, inputs, args)
+
+    def plan_at(graph: Any, budget_gb: float | None) -> Any:
+        return plan_for_budget(graph, args.budget_gb if budget_gb is None else budget_gb, _plan_options(args))
+
+    plain = trace()
+    plain_graph = profile(plain)
+    _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=args.chunk_loss, trace=trace,
+                                               profile=profile, plan=plan_at)
+    floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
     plans = (sweep(graph, points=args.sweep, max_stages=args.max_stages, max_solve_s=args.max_solve_s)
              if args.sweep else [])
     bound = None
@@ -233,7 +261,8 @@ def _report_command(args: argparse.Namespace) -> int:
 
         bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
                                 time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)
-    report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound)
+    report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound, loss_chunk_floors=floors,
+                          unoptimized_graph=plain_graph)
     sys.stdout.write(render(report, args.format))
     if args.plot:
         from planner.plot import plot_report

@@ -103,6 +103,14 @@ def _add_solve_options(parser: argparse.ArgumentParser) -> None:
                              "not depend on the machine's speed")
 
 
+def _add_chunk_loss(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chunk-loss", action="store_true",
+                        help="let the plan compute the output head and cross-entropy loss in row chunks under "
+                             "checkpoint where that pays (a lower floor on language models): another summation "
+                             "order, so the loss and gradients agree to rtol 1e-5, not bit for bit (labelled in "
+                             "the output)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``ckpt-planner``: ``report``, ``check`` and ``plan``, named in ``args.command``."""
     parser = _Parser(prog="ckpt-planner", description="Automatic activation-checkpoint planner.")
@@ -127,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "also solves the segment covering bound and the segment account, each for up to SECONDS "
                              "(HiGHS), which know what a recompute holds in the backward: often a tighter bound")
     report.add_argument("--no-bound", action="store_true", help="skip the lower bound")
+    _add_chunk_loss(report)
     report.add_argument("--target", dest="target_device", metavar="DEVICE",
                         help="plan for another device without running there: profile on fake tensors (bytes "
                              "from shapes, nothing allocated) and time ops with DEVICE's roofline "
@@ -154,5 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget-gb", type=_gib, required=True, help="peak training-step memory, GiB")
     _add_max_stages(plan)
     _add_solve_options(plan)
+    _add_chunk_loss(plan)
+    plan.add_argument("--trace-method", choices=("export", "symbolic_trace", "modules"), default="export",
+                      help="capture the forward as a graph (export, default; falls back to modules where capture "
+                           "fails) or plan over submodule calls directly (modules: coarser, for models that "
+                           "cannot be captured)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     return parser

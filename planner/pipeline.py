@@ -27,9 +27,10 @@ from planner.core.costgraph import (
     protect_reads_before_writes,
     shard_parameters,
 )
-from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError
+from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
 from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.module_plan import plan_modules
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.progress import heartbeat
@@ -40,6 +41,10 @@ from rewrite.apply import CheckpointedModule, apply_plan
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 log = logging.getLogger(__name__)
+
+#: ``trace_method`` values: the capture methods, and ``"modules"``, the module path
+#: (:mod:`planner.module_plan`), which needs no captured graph.
+CAPTURE_METHODS = (*TRACE_METHODS, "modules")
 
 
 def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
@@ -107,10 +112,11 @@ class CaptureOptions:
     cache_dir: str | None = None
     progress: bool = False
     simplify_attention_masks: bool = False
+    chunk_loss: bool = False
 
     def __post_init__(self) -> None:
-        if self.trace_method not in TRACE_METHODS:
-            raise InputError(f"trace_method must be one of {TRACE_METHODS}, got {self.trace_method!r}")
+        if self.trace_method not in CAPTURE_METHODS:
+            raise InputError(f"trace_method must be one of {CAPTURE_METHODS}, got {self.trace_method!r}")
         if isinstance(self.timing_repeats, bool) or not isinstance(self.timing_repeats, int) or \
                 self.timing_repeats < 1:
             raise InputError(f"timing_repeats must be a positive integer, got {self.timing_repeats!r}")
@@ -135,6 +141,7 @@ def optimize(
     exact: bool | None = None,
     max_solve_s: float | None = None,
     simplify_attention_masks: bool = False,
+    chunk_loss: bool = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -145,7 +152,10 @@ def optimize(
         budget_gb: peak training-step memory allowed, in GiB (2**30 bytes): parameters, buffers,
             inputs, activations, gradients and temporaries of one forward plus backward.
         reserve_gb: room set aside inside the budget (e.g. for optimizer state).
-        trace_method: ``"export"`` (default) or ``"symbolic_trace"``.
+        trace_method: ``"export"`` (default) or ``"symbolic_trace"``: capture the forward as a
+            graph, and where capture fails plan over submodule calls instead (one warning names
+            the failure); ``"modules"``: plan over submodule calls directly
+            (:mod:`planner.module_plan`; ``plan.capture`` says which path made the plan).
         max_stages: how many stages the graph is reduced to before the ILP.
         solver: None (default): segments-only stage models are solved exactly by dynamic
             programming over the stage chain, the rest (selective plans, the smallest peak) by
@@ -186,6 +196,15 @@ def optimize(
             mask: a faster kernel with other rounding and, with attention dropout, another random
             stream, so the module no longer computes exactly what ``model`` computes (opt-in;
             ``plan.computation_changes`` says so). Default: every call as the eager model makes it.
+        chunk_loss: let the plan compute the output head and cross-entropy loss (a ``linear``
+            into ``cross_entropy`` with a mean or sum over the tokens, found in the captured
+            graph) in row chunks under checkpoint, so only one chunk's logits exist at a time
+            (:mod:`planner.loss_chunking`): a lower floor on language models, where the loss
+            sets the peak, for the chunks' forward run again in the backward. Used only where
+            it is the only feasible way or costs less; another summation order, so the loss and
+            gradients are ``allclose`` (rtol 1e-5 in float32), not bit for bit (opt-in;
+            ``plan.computation_changes`` says when it is used). Default off: an infeasible
+            budget that it would reach says so in the error, with the lower floor.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -198,7 +217,9 @@ def optimize(
             model in eval mode, on the meta device or with nothing to train; inputs that do not
             fit ``model.forward`` or sit on another device.
         InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
-        TraceError: the model could not be captured (names the submodule and source line).
+        TraceError: the model could not be captured and one training step of it, run eagerly,
+            failed too (the message names both failures).
+        ProfileError: with ``trace_method="modules"``, one training step failed when run eagerly.
         SolverError: no MILP solver is installed, or none found a plan within ``time_limit_s``.
     """
     # fail on a bad budget, option, model or inputs before the slow work
@@ -207,10 +228,22 @@ def optimize(
                            time_limit_s=time_limit_s, selective=selective, world_size=world_size, exact=exact,
                            max_solve_s=max_solve_s)
     capture = CaptureOptions(trace_method=trace_method, timing_repeats=timing_repeats, cache_dir=cache_dir,
-                             progress=progress, simplify_attention_masks=simplify_attention_masks)
+                             progress=progress, simplify_attention_masks=simplify_attention_masks,
+                             chunk_loss=chunk_loss)
     check_model_and_inputs(model, example_inputs)
+    if capture.trace_method == "modules":
+        return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats)
     replan = Replanner(budget_gb, planning, capture)
-    gm, plan, graph = replan(model, example_inputs)
+    try:
+        gm, plan, graph = replan(model, example_inputs)
+    except TraceError as exc:
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
+                    "trace_method='modules' skips the capture)", first_line)
+        try:
+            return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats)
+        except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
+            raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
 
@@ -239,13 +272,26 @@ class Replanner:
 
     def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
                  grads_held: bool = False) -> tuple[Any, Plan, CostGraph]:
-        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
-                          simplify_attention_masks=self.capture.simplify_attention_masks)
+        from planner.loss_chunking import plan_choosing_loss_chunks
+
+        def trace() -> Any:
+            return trace_module(model, example_inputs, method=self.capture.trace_method,
+                                simplify_attention_masks=self.capture.simplify_attention_masks)
+
+        def profile(captured: Any) -> CostGraph:
+            return cached_profile_graph(captured, example_inputs, self.capture.cache_dir,
+                                        timing_repeats=self.capture.timing_repeats, progress=self.capture.progress)
+
+        def plan_at(profiled: CostGraph, budget_gb: float | None) -> Plan:
+            budget = self.budget_gb if budget_gb is None else budget_gb + self.planning.reserve_gb
+            return plan_for_budget(profiled, budget, self.planning, grads_held=grads_held)
+
+        gm = trace()
         if graph is None:
-            graph = cached_profile_graph(gm, example_inputs, self.capture.cache_dir,
-                                         timing_repeats=self.capture.timing_repeats, progress=self.capture.progress)
+            graph = profile(gm)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
-            plan = plan_for_budget(graph, self.budget_gb, self.planning, grads_held=grads_held)
+            gm, plan, graph = plan_choosing_loss_chunks(gm, graph, chunk_loss_on=self.capture.chunk_loss, trace=trace,
+                                                        profile=profile, plan=plan_at)
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph

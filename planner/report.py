@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner.core.costgraph import CostGraph
-from planner.core.plan import Plan, describe_segments, format_ms, rerun_nodes
+from planner.core.plan import Plan, describe_capture, describe_segments, format_ms, rerun_nodes
 from planner.core.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
 
@@ -61,6 +61,9 @@ class Report:
     device: str = ""
     #: the least recompute time any plan fitting the budget needs (None: not asked)
     bound: RecomputeBound | None = None
+    #: the smallest feasible budgets in bytes without and with the output head and loss in row
+    #: chunks (``--chunk-loss``, :mod:`planner.loss_chunking`); None: the graph has no such chain
+    loss_chunk_floors: tuple[int, int] | None = None
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,6 +95,8 @@ class Report:
             ],
             "largest_activations_by_module": [{"module": m, "saved_bytes": b} for m, b in self.top_modules],
             "pareto": [_plan_dict(p) for p in self.pareto],
+            "smallest_feasible_budget": None if self.loss_chunk_floors is None else {
+                "bytes": self.loss_chunk_floors[0], "with_chunk_loss_bytes": self.loss_chunk_floors[1]},
             "lower_bound": None if self.bound is None else {
                 "recompute_ms": None if self.bound.proven_infeasible else self.bound.bound,
                 "proven_infeasible": self.bound.proven_infeasible,
@@ -114,6 +119,7 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "recomputed_nodes": len(plan.recomputed_nodes),
         "optimality_gap": plan.optimality_gap,
         "hit_time_limit": plan.hit_time_limit,
+        "capture": plan.capture,
     }
 
 
@@ -125,10 +131,15 @@ def build_report(
     sweep_plans: Sequence[Plan] = (),
     top: int = 10,
     bound: RecomputeBound | None = None,
+    loss_chunk_floors: tuple[int, int] | None = None,
+    unoptimized_graph: CostGraph | None = None,
 ) -> Report:
     """Gather the report for ``plan`` (made from ``graph``), an optional sweep and an optional
-    lower bound (:func:`planner.bounds.reach.recompute_bound` at the plan's budget)."""
-    unoptimized = simulate(graph)
+    lower bound (:func:`planner.bounds.reach.recompute_bound` at the plan's budget).
+    ``unoptimized_graph``: the profile of the user's own step where ``graph`` computes it
+    otherwise (the loss in row chunks); its peak and timeline are the unoptimized ones."""
+    reference = unoptimized_graph or graph
+    unoptimized = simulate(reference)
     planned = simulate(graph, [s.node_names for s in plan.segments])
     saved = graph.saved_bytes_by_node()
     # a segment's saved activations are dropped from the forward, those of nodes its recompute
@@ -150,12 +161,13 @@ def build_report(
         plan=plan,
         unoptimized_peak_phase=unoptimized.peak_phase,
         unoptimized_peak_node=peak_node,
-        unoptimized_peak_module=graph.node(peak_node).module if peak_node in graph.index else "",
+        unoptimized_peak_module=reference.node(peak_node).module if peak_node in reference.index else "",
         kept_activation_bytes=sum(size for name, size in saved.items() if name not in checkpointed),
         top_nodes=[(n, graph.node(n).op, graph.node(n).module, b) for n, b in ranked],
         top_modules=sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0].count("."), kv[0]))[:top],
         pareto=pareto_front(sweep_plans) if sweep_plans else [],
         bound=bound,
+        loss_chunk_floors=loss_chunk_floors,
         device=_profiled_on(graph),
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
@@ -190,9 +202,12 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
                        f"{format_ms(plan.step_ms)})"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
         ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
+        ["capture", describe_capture(plan.capture)],
     ]
     if report.bound is not None:
         summary.append(["least possible extra time", _bound_text(report.bound, plan)])
+    if report.loss_chunk_floors is not None:
+        summary.append(["smallest feasible budget", _floors_text(report.loss_chunk_floors, plan)])
     tables = [("Summary", ["", ""], summary)]
     if plan.segments:
         tables.append(("Recomputed segments", ["#", "first node", "last node", "nodes", "rerun", "time"], [
@@ -214,6 +229,16 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
             for p in report.pareto
         ]))
     return tables
+
+
+def _floors_text(floors: tuple[int, int], plan: Plan) -> str:
+    """Both floors, as shares of the measured unoptimized peak where there is one (the user's
+    own computation, also when the plan chunks the loss)."""
+    reference = plan.measured_unoptimized_peak_bytes or plan.unoptimized_peak_bytes
+    plain, chunked = (f"{_mib(f)} ({f / reference:.0%} of the unoptimized peak)" if reference else _mib(f)
+                      for f in floors)
+    return (f"{plain}; with --chunk-loss {chunked}: the output head and cross-entropy run in row chunks, one "
+            f"chunk's logits at a time (other summation order)")
 
 
 def _bound_text(bound: RecomputeBound, plan: Plan) -> str:

@@ -102,3 +102,45 @@ def test_mistral_with_attention_dropout_trains_as_the_eager_model(fraction):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=1e-8, msg=key)
+
+
+def test_chunked_loss_lowers_the_floor_of_a_gpu_sized_gpt2(tmp_path):
+    """``chunk_loss=True`` on a GPT-2 whose loss sets the peak (vocabulary 50,257, 8 x 1024
+    tokens): the smallest feasible budget at most 0.35 of the measured unoptimized peak, the
+    measured peak within the budget there, the loss and every gradient allclose (rtol 1e-5)
+    to the unoptimized model's, and at the old floor a step no slower than the plan without
+    chunks (2 % for timing noise; median of interleaved CUDA-event timings)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from common import step_time_ratios
+    from planner.core.errors import InfeasibleBudgetError
+
+    model, example = on_device(*gpt2(batch=8, seq_len=1024, layers=2, width=768, heads=12, vocab=50257,
+                                     attention_dropout=0.0))
+    inputs = StepInputs.from_example(example)
+    peak = measure_step_peak_bytes(model, inputs)
+    ref_loss, ref_grads = loss_and_grads(model, model, inputs, seed=5)
+    cache = str(tmp_path)
+
+    def floor(chunk_loss: bool) -> int:
+        with pytest.raises(InfeasibleBudgetError) as info:
+            optimize(model, example, budget_gb=2**-20, chunk_loss=chunk_loss, cache_dir=cache)
+        return info.value.min_feasible_bytes
+
+    old_floor, new_floor = floor(False), floor(True)
+    assert new_floor <= 0.35 * peak, (new_floor, peak)
+    opt = optimize(model, example, budget_gb=new_floor / 2**30, chunk_loss=True, cache_dir=cache)
+    assert opt.plan.computation_changes
+    assert measure_step_peak_bytes(opt, inputs) <= opt.plan.budget_bytes
+    loss, grads = loss_and_grads(opt, model, inputs, seed=5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for key in ref_grads:
+        scale = float(ref_grads[key].abs().max())
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=1e-6 * scale, msg=key)
+    plain = optimize(model, example, budget_gb=old_floor / 2**30, cache_dir=cache)
+    chunked = optimize(model, example, budget_gb=old_floor / 2**30, chunk_loss=True, cache_dir=cache)
+    assert measure_step_peak_bytes(chunked, inputs) <= chunked.plan.budget_bytes
+    _, plain_ratio, chunked_ratio = step_time_ratios([model, plain, chunked], inputs, repeats=7, device=DEVICE)
+    assert chunked_ratio <= 1.02 * plain_ratio, (plain_ratio, chunked_ratio)

@@ -218,3 +218,28 @@ def test_a_forward_wrapped_by_another_library_keeps_the_plan():
     assert torch.equal(model(x), expected) and is_enabled(model)
     disable(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_model_that_cannot_be_captured_is_enabled_on_the_module_path(caplog):
+    from test_module_fallback import BATCH, WIDTH, ItemShift  # .item() in forward: torch.export refuses it
+
+    torch.manual_seed(0)
+    model, x = ItemShift().train(), torch.randn(BATCH, WIDTH)
+    reference = copy.deepcopy(model)
+    peak_bytes = measure_step_peak_bytes(model, StepInputs((x,), {}))
+    with caplog.at_level("WARNING"):
+        assert enable(model, (x,), budget_gb=0.6 * peak_bytes / 2**30, timing_repeats=1) is model
+    assert plan_of(model).capture == "modules" and "submodule calls" in caplog.text
+    assert measure_step_peak_bytes(model, StepInputs((x,), {})) <= 0.6 * peak_bytes
+    losses, grads = [], []
+    for module in (reference, model):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = module(x)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    disable(model)
+    assert not is_enabled(model)

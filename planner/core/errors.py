@@ -27,18 +27,20 @@ class InfeasibleBudgetError(PlannerError):
 
     ``min_feasible_bytes`` is the smallest budget found to work, so a user can retry with
     ``budget_gb`` at or above ``min_feasible_bytes / 2**30``; the message's GiB figure is
-    rounded up, so it works too.
+    rounded up, so it works too. ``note`` (one sentence, may be empty) ends the message: another
+    way to a lower floor, e.g. ``chunk_loss=True``.
     """
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, note: str = "") -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        self.note = note
         min_feasible_gb = math.ceil(self.min_feasible_bytes / 2**30 * 1e4) / 1e4
         super().__init__(
             f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below the smallest peak "
             f"the planner found; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
             f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size "
-            f"(a larger max_stages searches finer, slower, and may find a smaller one)"
+            f"(a larger max_stages searches finer, slower, and may find a smaller one)" + (f"; {note}" if note else "")
         )
 
 

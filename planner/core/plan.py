@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
-__all__ = ["Segment", "Plan", "describe_segments", "format_ms", "rerun_nodes"]
+__all__ = ["Segment", "Plan", "describe_capture", "describe_segments", "format_ms", "rerun_nodes"]
 
 GIB = 2**30
 
@@ -38,6 +38,18 @@ def format_ms(ms: float) -> str:
     value, unit = (ms, "ms") if abs(ms) >= 0.1 else (ms * 1000, "µs")
     decimals = max(0, 2 - math.floor(math.log10(abs(value))))
     return f"{value:.{decimals}f} {unit}"
+
+
+def describe_capture(capture: str) -> str:
+    """What a plan's ``capture`` means, for reports.
+
+    Example:
+        >>> describe_capture("modules")
+        'modules (whole submodule calls checkpointed: coarser than a captured graph)'
+    """
+    if capture == "modules":
+        return "modules (whole submodule calls checkpointed: coarser than a captured graph)"
+    return f"{capture} (the captured graph, node by node)"
 
 
 def _count(n: int, noun: str) -> str:
@@ -118,6 +130,9 @@ class Plan:
     #: transformations of the captured graph that make it compute other than the user's module
     #: (each asked for by name, e.g. ``simplify_attention_masks``); empty: the user's computation
     computation_changes: tuple[str, ...] = ()
+    #: which path made the plan: ``"graph"`` (the captured FX graph, node by node) or
+    #: ``"modules"`` (whole submodule calls, for models torch.export cannot capture: coarser)
+    capture: str = "graph"
 
     @property
     def recompute_ms(self) -> float:
@@ -151,10 +166,12 @@ class Plan:
             ("extra time", f"{format_ms(self.recompute_ms)} per step (~{self.overhead_ratio:.1%} of a "
                            f"{format_ms(self.step_ms)} step)"),
             ("extra FLOPs", f"{self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
-                            f"of the forward)"),
+                            f"of the forward)" if self.capture == "graph" else "not counted (module path: time only)"),
             ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),
         ]
         rows.extend(("computation", f"CHANGED: {change}") for change in self.computation_changes)
+        if self.capture != "graph":
+            rows.append(("capture", describe_capture(self.capture)))
         width = max(len(label) for label, _ in rows) + 2
         lines = [f"{label:<{width}}{value}" for label, value in rows]
         for k, seg in enumerate(self.segments):

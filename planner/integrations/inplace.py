@@ -51,6 +51,7 @@ from planner.core.plan import GIB, Plan
 from planner.pipeline import optimize
 from profiling.measure import StepInputs, measure_step_peak_bytes
 from rewrite.checkpointed_module import CheckpointedModule
+from rewrite.module_checkpoint import ModuleCheckpointedModule
 
 __all__ = ["enable", "disable", "is_enabled", "plan_of", "checkpointed_module_of", "check_enable_options"]
 
@@ -119,7 +120,7 @@ class _PlannedForward:
         self.budget_gb = budget_gb
         self.budget_fraction = budget_fraction
         self.options = dict(options)
-        self.module: CheckpointedModule | None = None
+        self.module: CheckpointedModule | ModuleCheckpointedModule | None = None
         self.fingerprint: tuple[Any, ...] = ()
         # set while planning or re-planning: tracing and profiling call model.forward, which must
         # then be the model's own
@@ -163,12 +164,15 @@ class _PlannedForward:
                     f"the parameters of {type(model).__name__} changed since planner.enable planned it (new, renamed, "
                     f"reshaped or (un)frozen parameters, e.g. LoRA adapters injected): apply PEFT and freezing first, "
                     f"or call planner.disable(model) and planner.enable(model, ...) again")
+            if isinstance(module, ModuleCheckpointedModule):  # the module path: the model's own forward,
+                with module.checkpoints_installed():          # its planned submodules checkpointed
+                    return self._unplanned()(*args, **kwargs)
             graph = module.training_graph_for(*args, **kwargs)
         finally:
             self.busy = False
         return graph(*args, **kwargs)
 
-    def plan(self, example_inputs: Any) -> CheckpointedModule:
+    def plan(self, example_inputs: Any) -> CheckpointedModule | ModuleCheckpointedModule:
         """Plan the model for ``example_inputs`` (RNG, buffers and ``.grad`` left as they were)."""
         model = self.model
         budget_gb = self.budget_gb
@@ -316,8 +320,9 @@ def is_enabled(model: Any) -> bool:
     return _installed(model) is not None
 
 
-def checkpointed_module_of(model: Any) -> CheckpointedModule | None:
-    """The :class:`CheckpointedModule` behind an enabled model (its ``plans``, ``plan_for``),
+def checkpointed_module_of(model: Any) -> CheckpointedModule | ModuleCheckpointedModule | None:
+    """The :class:`CheckpointedModule` behind an enabled model (its ``plans``, ``plan_for``; a
+    :class:`ModuleCheckpointedModule` where the model could not be captured),
     or None before the first plan or when not enabled.
 
     Example:

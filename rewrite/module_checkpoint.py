@@ -1,0 +1,147 @@
+"""The module path's rewrite: chosen submodule calls run under ``torch.utils.checkpoint``.
+
+:class:`ModuleCheckpointedModule` is what ``optimize`` returns for a model it could not capture
+(or with ``trace_method="modules"``). During its training forward it gives each planned
+submodule an instance ``forward`` that calls the module's own forward through non-reentrant
+``torch.utils.checkpoint`` with the RNG state preserved (dropout draws the same mask on
+recompute), and removes it when the forward returns: the user's modules are untouched outside
+that call. A recompute restores the unit's buffers afterwards, so BatchNorm running statistics
+(and any other buffer the forward writes) are updated once per step.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    >>> opt = ModuleCheckpointedModule(model, plan=None, checkpointed=("1",))
+    >>> x = torch.randn(3, 4)
+    >>> torch.equal(opt(x), model(x))
+    True
+    >>> list(opt.state_dict()) == list(model.state_dict())
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Plan
+
+__all__ = ["ModuleCheckpointedModule", "checkpointed_forward"]
+
+
+def checkpointed_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run under non-reentrant ``torch.utils.checkpoint`` with the RNG state kept;
+    on recompute, ``module``'s buffers are restored afterwards (running statistics updated once).
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> run = checkpointed_forward(bn, bn.forward)
+        >>> run(torch.randn(4, 2, requires_grad=True)).sum().backward()
+        >>> int(bn.num_batches_tracked)
+        1
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        ran = [False]
+
+        def run(*a: Any, **k: Any) -> Any:
+            if not ran[0]:
+                ran[0] = True
+                return forward(*a, **k)
+            with _buffers_restored(module):
+                return forward(*a, **k)
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    return call
+
+
+@contextmanager
+def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
+class _ForwardWithTheModelsSignature:
+    """``forward`` whose ``inspect.signature`` is the wrapped model's own."""
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is None:
+            return owner._checkpointed_forward
+        call = functools.partial(owner._checkpointed_forward, instance)
+        call.__signature__ = instance._forward_signature  # type: ignore[attr-defined]
+        return call
+
+
+class ModuleCheckpointedModule(torch.nn.Module):
+    """The user's module with the submodules at ``checkpointed`` (module paths) run under
+    ``torch.utils.checkpoint`` in training; in eval mode, the user's module as it is.
+
+    Its module tree *is* the user's (``state_dict()`` keys and parameter objects are the
+    model's own). ``plan`` is the plan the paths came from (``plan.capture == "modules"``),
+    ``cost_graph`` the module-level profile it was solved on.
+    """
+
+    def __init__(self, original: torch.nn.Module, plan: Plan | None, checkpointed: tuple[str, ...],
+                 *, cost_graph: CostGraph | None = None) -> None:
+        super().__init__()
+        object.__setattr__(self, "original", original)
+        try:
+            signature: inspect.Signature | None = inspect.signature(original.forward)
+        except (TypeError, ValueError):
+            signature = None
+        object.__setattr__(self, "_forward_signature", signature)
+        for path in checkpointed:
+            original.get_submodule(path)  # a wrong path fails here, not in the first step
+        self._modules = original._modules
+        self._parameters = original._parameters
+        self._buffers = original._buffers
+        self._non_persistent_buffers_set = original._non_persistent_buffers_set
+        self.plan = plan
+        self.cost_graph = cost_graph
+        self.checkpointed = tuple(checkpointed)
+        self.train(original.training)
+
+    def train(self, mode: bool = True) -> "ModuleCheckpointedModule":
+        super().train(mode)
+        self.original.train(mode)
+        return self
+
+    @contextmanager
+    def checkpoints_installed(self) -> Iterator[None]:
+        """Each planned submodule's instance ``forward`` checkpointed while the context lasts (one
+        training call of the model: what this module's forward, and ``planner.enable``, run)."""
+        patched: list[tuple[torch.nn.Module, Any]] = []
+        try:
+            for path in self.checkpointed:
+                module = self.original.get_submodule(path)
+                own = module.__dict__.get("forward")
+                patched.append((module, own))
+                module.forward = checkpointed_forward(module, own if own is not None else type(module).forward.__get__(module))
+            yield
+        finally:
+            for module, own in reversed(patched):
+                if own is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.forward = own
+
+    def _checkpointed_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.original.training or not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        with self.checkpoints_installed():
+            return self.original(*args, **kwargs)
+
+    forward = _ForwardWithTheModelsSignature()
