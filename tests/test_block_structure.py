@@ -89,3 +89,14 @@ def test_t5_without_module_paths_finds_both_stacks_of_identical_layers():
     # identical layers after it repeat, so they make the stacks
     bare = _without_paths(protect_reads_before_writes(load_profile(H100 / "t5_gpu.json")))
     assert [len(stack) for stack in structural_blocks(bare)] == [5, 5]
+
+
+def test_without_module_paths_the_solver_still_never_loses_to_every_layer():
+    graph = protect_reads_before_writes(load_profile(H100 / "gpt2_gpu.json"))
+    every_layer = {p.name: p for p in hand_placed_plans(graph)}["every layer"]
+    budget_bytes = simulate(graph, every_layer.segments).peak_bytes
+    from planner.solvers.solve import solve
+
+    plan = solve(_without_paths(graph), budget_bytes)
+    assert plan.predicted_peak_bytes <= budget_bytes
+    assert plan.recompute_ms <= every_layer.recompute_ms

@@ -212,22 +212,27 @@ def test_saved_profiles_of_a_readable_older_version_load_and_others_are_refused(
 
 
 def test_fake_profile_bytes_are_exact():
-    """Fake tensors give the measured profile's bytes for every output and saved activation."""
+    """Fake tensors for this CPU give the measured profile's bytes for every output and saved
+    activation; for an H100 the same outputs, and less saved (CUDA's attention kernels save a
+    log-sum-exp where the CPU's save the probabilities; its dropout saves one-byte masks)."""
     model, example = FAST["gpt2"]()
     gm = trace_module(model, example)
     real = profile_graph(gm, example, timing_repeats=1, measure_peak=False)
-    fake = profile_graph(gm, example, fake=True, target="h100")
-    assert [n.name for n in fake.nodes] == [n.name for n in real.nodes]
-    assert fake.persistent_bytes == real.persistent_bytes
+    fake = profile_graph(gm, example, fake=True, target="cpu")
+    gpu = profile_graph(gm, example, fake=True, target="h100")
 
     def saved(graph):
         sizes = graph.storage_by_key
         return {n.name: sorted(sizes[k].size_bytes for k in n.saved_storages) for n in graph.nodes}
 
+    for other in (fake, gpu):
+        assert [n.name for n in other.nodes] == [n.name for n in real.nodes]
+        assert [n.output_bytes for n in other.nodes] == [n.output_bytes for n in real.nodes]
+        assert other.persistent_bytes == real.persistent_bytes
+        assert all(n.time_ms > 0 for n in other.compute_nodes if n.flops)
     assert saved(fake) == saved(real)
-    assert [n.output_bytes for n in fake.nodes] == [n.output_bytes for n in real.nodes]
-    assert fake.metadata["mode"] == "fake" and fake.metadata["target"] == "h100"
-    assert all(n.time_ms > 0 for n in fake.compute_nodes if n.flops)
+    assert sum(map(sum, saved(gpu).values())) < sum(map(sum, saved(real).values()))
+    assert gpu.metadata["mode"] == "fake" and gpu.metadata["target"] == "h100"
 
 
 @pytest.mark.parametrize("name", ["gpt2", "whisper"])
@@ -257,7 +262,7 @@ from planner.pipeline import PlanOptions, plan_for_budget
 from profiling import profile_graph, trace_module
 model, example = models.gpt2_meta(batch=1, seq_len=4096)
 graph = profile_graph(trace_module(model, example), example, fake=True, target="h100")
-plan = plan_for_budget(graph, 80e9 / 2**30, PlanOptions(max_stages=16, time_limit_s=30.0))
+plan = plan_for_budget(graph, simulate(graph).peak_bytes / 2 / 2**30, PlanOptions(max_stages=16, time_limit_s=30.0))
 print(json.dumps({{
     "parameters": sum(p.numel() for p in model.parameters()),
     "unoptimized_bytes": simulate(graph).peak_bytes,
@@ -269,9 +274,10 @@ print(json.dumps({{
 
 
 def test_fake_planning_of_gpt2_xl_for_an_h100_without_allocating():
-    """A GPT-2-XL-sized model (1.6e9 parameters, 4k tokens) needs ~170 GiB unoptimized: far more
-    than this machine's RAM. Built on the meta device and profiled on fake tensors, it is planned
-    for an 80 GB H100 in a fresh process whose resident memory stays small."""
+    """A GPT-2-XL-sized model (1.6e9 parameters, 4k tokens) needs about 45 GiB unoptimized with
+    an H100's attention kernels: far more than this machine's RAM. Built on the meta device and
+    profiled on fake tensors, it is planned for half that on an H100 in a fresh process whose
+    resident memory stays small."""
     import json
     import os
     import subprocess
@@ -284,8 +290,8 @@ def test_fake_planning_of_gpt2_xl_for_an_h100_without_allocating():
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["parameters"] > 1.5e9
-    assert result["unoptimized_bytes"] > 100 * GIB
-    assert result["segments"] and result["predicted_bytes"] <= 80e9
+    assert result["unoptimized_bytes"] > 40 * GIB
+    assert result["segments"] and result["predicted_bytes"] <= result["budget_bytes"] <= result["unoptimized_bytes"] / 2
     assert result["target"] == "h100" and 0 < result["step_ms"] < 1e5
     # the parameters alone would take 6 GiB if they were allocated
     # real tensors would need the 6 GB of parameters alone; the bound leaves room for the MIP
