@@ -10,8 +10,6 @@ rebuilds a variant with each sharded unit's hooks around the unit's ops
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -27,7 +25,8 @@ from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules
 from rewrite.segments import apply_plan, fresh_copy
-from rewrite.signature import autocast_state, describe_inputs, input_signature
+from rewrite.signature import (ForwardWithTheModelsSignature, autocast_state, describe_inputs, input_signature,
+                               signature_of)
 from rewrite.units import barrier_nodes, fsdp_unit_paths, insert_unit_hooks, unit_of_nodes
 
 __all__ = ["CheckpointedModule", "PlannedVariant", "ReplanFunction", "FSDP_UNITS_IN_FLIGHT"]
@@ -78,27 +77,6 @@ def _distributed_world_size() -> int:
     return 1
 
 
-class _ForwardWithTheModelsSignature:
-    """``CheckpointedModule.forward``: the checkpointed step, whose ``inspect.signature`` is the
-    wrapped model's own ``forward`` (``input_ids``, ``labels``, ...), so libraries that read it,
-    such as the HuggingFace Trainer choosing which dataset columns to pass, see the model's
-    arguments rather than ``*args, **kwargs``."""
-
-    def __get__(self, instance: Any, owner: type) -> Any:
-        if instance is None:
-            return owner._checkpointed_forward
-        call = functools.partial(owner._checkpointed_forward, instance)
-        call.__signature__ = instance._forward_signature  # type: ignore[attr-defined]
-        return call
-
-
-def _signature_of(module: torch.nn.Module) -> inspect.Signature | None:
-    try:
-        return inspect.signature(module.forward)
-    except (TypeError, ValueError):  # a forward inspect cannot read: the generic one stands
-        return None
-
-
 class CheckpointedModule(torch.nn.Module):
     """The module ``optimize`` returns: the rewritten graph in training, the user's own module
     in eval mode (``opt.eval()`` or ``model.eval()``: the graph is specialised to training).
@@ -137,7 +115,7 @@ class CheckpointedModule(torch.nn.Module):
     ) -> None:
         super().__init__()
         object.__setattr__(self, "original", original)
-        object.__setattr__(self, "_forward_signature", _signature_of(original))
+        object.__setattr__(self, "_forward_signature", signature_of(original))
         object.__setattr__(self, "replan", replan)
         if attach_to_user_modules(graph_module, original):
             tree: torch.nn.Module = original
@@ -322,7 +300,7 @@ class CheckpointedModule(torch.nn.Module):
             return self.original(*args, **kwargs)
         return self._variant(StepInputs(args, kwargs)).graph_module(*args, **kwargs)
 
-    forward = _ForwardWithTheModelsSignature()
+    forward = ForwardWithTheModelsSignature()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":
         cls = type(self)

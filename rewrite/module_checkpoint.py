@@ -21,8 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +30,7 @@ import torch.utils.checkpoint
 
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan
+from rewrite.signature import ForwardWithTheModelsSignature, signature_of
 
 __all__ = ["ModuleCheckpointedModule", "checkpointed_forward"]
 
@@ -74,17 +73,6 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-class _ForwardWithTheModelsSignature:
-    """``forward`` whose ``inspect.signature`` is the wrapped model's own."""
-
-    def __get__(self, instance: Any, owner: type) -> Any:
-        if instance is None:
-            return owner._checkpointed_forward
-        call = functools.partial(owner._checkpointed_forward, instance)
-        call.__signature__ = instance._forward_signature  # type: ignore[attr-defined]
-        return call
-
-
 class ModuleCheckpointedModule(torch.nn.Module):
     """The user's module with the submodules at ``checkpointed`` (module paths) run under
     ``torch.utils.checkpoint`` in training; in eval mode, the user's module as it is.
@@ -98,11 +86,7 @@ class ModuleCheckpointedModule(torch.nn.Module):
                  *, cost_graph: CostGraph | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "original", original)
-        try:
-            signature: inspect.Signature | None = inspect.signature(original.forward)
-        except (TypeError, ValueError):
-            signature = None
-        object.__setattr__(self, "_forward_signature", signature)
+        object.__setattr__(self, "_forward_signature", signature_of(original))
         for path in checkpointed:
             original.get_submodule(path)  # a wrong path fails here, not in the first step
         self._modules = original._modules
@@ -144,4 +128,4 @@ class ModuleCheckpointedModule(torch.nn.Module):
         with self.checkpoints_installed():
             return self.original(*args, **kwargs)
 
-    forward = _ForwardWithTheModelsSignature()
+    forward = ForwardWithTheModelsSignature()

@@ -3,11 +3,14 @@
 A captured graph holds its input shapes, dtypes and non-tensor values as constants, and a plan
 depends on the autocast state it was profiled under: :class:`rewrite.checkpointed_module.CheckpointedModule`
 keys its planned variants on :func:`input_signature` and :func:`autocast_state`, and names
-inputs with :func:`describe_inputs`.
+inputs with :func:`describe_inputs`. The modules that wrap a model give their ``forward`` the
+model's own signature (:class:`ForwardWithTheModelsSignature`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from profiling.measure import StepInputs
 
-__all__ = ["input_signature", "describe_inputs", "autocast_state"]
+__all__ = ["input_signature", "describe_inputs", "autocast_state", "ForwardWithTheModelsSignature", "signature_of"]
 
 
 def input_signature(inputs: StepInputs) -> tuple[Any, ...]:
@@ -68,3 +71,32 @@ def autocast_state() -> tuple[tuple[str, str], ...]:
     """The autocast devices and dtypes active now (part of what a plan was profiled under)."""
     devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
     return tuple((d, str(torch.get_autocast_dtype(d))) for d in devices if torch.is_autocast_enabled(d))
+
+
+class ForwardWithTheModelsSignature:
+    """The ``forward`` of a module that wraps a model (``CheckpointedModule``,
+    ``ModuleCheckpointedModule``): the owner's ``_checkpointed_forward``, whose
+    ``inspect.signature`` is the instance's ``_forward_signature``, the wrapped model's own
+    (``input_ids``, ``labels``, ...), so libraries that read it, such as the HuggingFace Trainer
+    choosing which dataset columns to pass, see the model's arguments rather than
+    ``*args, **kwargs``."""
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is None:
+            return owner._checkpointed_forward
+        call = functools.partial(owner._checkpointed_forward, instance)
+        call.__signature__ = instance._forward_signature  # type: ignore[attr-defined]
+        return call
+
+
+def signature_of(module: torch.nn.Module) -> inspect.Signature | None:
+    """``inspect.signature(module.forward)``, or None where inspect cannot read it.
+
+    Example:
+        >>> str(signature_of(torch.nn.Linear(2, 2)))
+        '(input: torch.Tensor) -> torch.Tensor'
+    """
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: the generic one stands
+        return None
