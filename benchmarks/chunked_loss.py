@@ -3,8 +3,8 @@ whose loss sets the peak, on CPU.
 
 For each model (HuggingFace GPT-2 and Llama from configs, vocabularies of 50,257 and 32,000):
 the measured unoptimized peak; the smallest feasible budget without and with loss chunks (as
-a share of that peak); the plan at the new floor, its measured peak against the budget; at the
-old floor, the plans without and with ``chunk_loss=True``, their measured peaks, and their
+a share of that peak); the plan at the chunked floor, its measured peak against the budget; at the
+plain floor, the plans without and with ``chunk_loss=True``, their measured peaks, and their
 step times as ratios to the unoptimized step (interleaved repeats in one process, median);
 and the largest relative difference of the loss and gradients of the chunked plan from the
 unoptimized model's.
@@ -48,14 +48,14 @@ DOC_ABOUT = f"""\
 Each model's head and loss run in `LOSS_CHUNKS` = {LOSS_CHUNKS} row chunks when chunked
 (see [tuning.md](../tuning.md#loss_chunks)). Budgets and peaks are in MiB, measured at the CPU
 allocator (`profiling.measure_step_peak_bytes`); shares are of the measured unoptimized peak.
-"old floor" is the smallest feasible budget without chunking, "new floor" with it. The step
+"plain floor" is the smallest feasible budget without chunking, "chunked floor" with it. The step
 times are ratios to the unoptimized step, median of interleaved repeats in one process (the
-four modules of a row run in turn); "chunk-loss / plain" divides the two at the old floor.
-At the old floor the planner with `chunk_loss=True` takes the chunks only where they cost
+four modules of a row run in turn); "chunk-loss / plain" divides the two at the plain floor.
+At the plain floor the planner with `chunk_loss=True` takes the chunks only where they cost
 less than the plain plan's recompute; where it keeps the plain plan the two modules are the
 same plan, and their ratio shows the timing noise. The last column is the largest relative
 difference of the loss and of any gradient (max abs difference over max abs value) of the
-chunked plan at the new floor from the unoptimized model's: within the rtol 1e-5 the tests
+chunked plan at the chunked floor from the unoptimized model's: within the rtol 1e-5 the tests
 allow. The model returns its logits too, so one full logits tensor
 stays in the step (the output holds it); chunking removes the other three (log-softmax,
 and the two gradients) and the temporaries of the loss.
@@ -91,19 +91,19 @@ def run(name: str, repeats: int, cache_dir: str) -> list[str]:
     plain_graph = cached_profile_graph(trace_module(model, inputs), inputs, cache_dir)
     chunked = trace_module(model, inputs)
     chunk_loss(chunked)
-    old_floor, new_floor = _floor_bytes(plain_graph), _floor_bytes(cached_profile_graph(chunked, inputs, cache_dir))
-    at_new = optimize(model, inputs, budget_gb=new_floor / GIB, chunk_loss=True, cache_dir=cache_dir)
-    new_peak = measure_step_peak_bytes(at_new, step)
-    plain = optimize(model, inputs, budget_gb=old_floor / GIB, cache_dir=cache_dir)
-    with_chunks = optimize(model, inputs, budget_gb=old_floor / GIB, chunk_loss=True, cache_dir=cache_dir)
+    plain_floor, chunked_floor = _floor_bytes(plain_graph), _floor_bytes(cached_profile_graph(chunked, inputs, cache_dir))
+    at_chunked_floor = optimize(model, inputs, budget_gb=chunked_floor / GIB, chunk_loss=True, cache_dir=cache_dir)
+    chunked_floor_peak = measure_step_peak_bytes(at_chunked_floor, step)
+    plain = optimize(model, inputs, budget_gb=plain_floor / GIB, cache_dir=cache_dir)
+    with_chunks = optimize(model, inputs, budget_gb=plain_floor / GIB, chunk_loss=True, cache_dir=cache_dir)
     peaks = [measure_step_peak_bytes(m, step) for m in (plain, with_chunks)]
-    ratios = step_time_ratios([model, plain, with_chunks, at_new], step, repeats)
-    difference = _largest_relative_difference(_grads(model, model, inputs), _grads(at_new, model, inputs))
+    ratios = step_time_ratios([model, plain, with_chunks, at_chunked_floor], step, repeats)
+    difference = _largest_relative_difference(_grads(model, model, inputs), _grads(at_chunked_floor, model, inputs))
     used = "chunks used" if with_chunks.plan.computation_changes else "chunks not used: the plain plan"
     return [name, f"{unoptimized / MIB:,.0f}",
-            f"{old_floor / MIB:,.0f} ({old_floor / unoptimized:.2f})",
-            f"{new_floor / MIB:,.0f} ({new_floor / unoptimized:.2f})",
-            f"{new_peak / MIB:,.0f} / {at_new.plan.budget_bytes / MIB:,.0f}, {ratios[3]:.2f}x",
+            f"{plain_floor / MIB:,.0f} ({plain_floor / unoptimized:.2f})",
+            f"{chunked_floor / MIB:,.0f} ({chunked_floor / unoptimized:.2f})",
+            f"{chunked_floor_peak / MIB:,.0f} / {at_chunked_floor.plan.budget_bytes / MIB:,.0f}, {ratios[3]:.2f}x",
             f"{peaks[0] / MIB:,.0f}, {ratios[1]:.2f}x", f"{peaks[1] / MIB:,.0f}, {ratios[2]:.2f}x ({used})",
             f"{ratios[2] / ratios[1]:.2f}", f"{difference:.1e}"]
 
@@ -118,10 +118,10 @@ def main() -> None:
     benchmark_logging()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    header = ["model", "unoptimized peak", "old floor (share)", "new floor (share)",
-              "new floor, --chunk-loss: measured / budget, step", "old floor, plain: peak, step",
-              "old floor, --chunk-loss: peak, step", "chunk-loss / plain step at old floor",
-              "loss, grads rel. diff at new floor"]
+    header = ["model", "unoptimized peak", "plain floor (share)", "chunked floor (share)",
+              "chunked floor, --chunk-loss: measured / budget, step", "plain floor, plain: peak, step",
+              "plain floor, --chunk-loss: peak, step", "chunk-loss / plain step at plain floor",
+              "loss, grads rel. diff at chunked floor"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="chunked-loss-") as cache_dir:
         for name in args.models:

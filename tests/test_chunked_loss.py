@@ -205,7 +205,7 @@ def lm(tmp_path_factory):
 def test_chunking_lowers_the_floor_and_the_plan_fits_and_says_so(lm):
     model, inputs, cache, plain_floor, chunked_floor = lm.model, lm.inputs, lm.cache, lm.plain_floor, lm.chunked_floor
     assert chunked_floor < 0.6 * plain_floor
-    budget_gb = (chunked_floor + plain_floor) / 2 / 2**30  # below the old floor, above the new one
+    budget_gb = (chunked_floor + plain_floor) / 2 / 2**30  # below the plain floor, above the chunked one
     with pytest.raises(InfeasibleBudgetError, match=r"chunk_loss=True \(--chunk-loss\) reaches a lower floor"):
         optimize(model, inputs, budget_gb=budget_gb, timing_repeats=1, cache_dir=cache)
     opt = optimize(model, inputs, budget_gb=budget_gb, timing_repeats=1, cache_dir=cache, chunk_loss=True)
@@ -244,7 +244,7 @@ def test_chunking_is_not_used_where_it_does_not_pay_and_off_by_default(lm):
 def test_the_floor_drops_to_a_third_of_the_peak_on_a_32k_vocabulary(build, tmp_path):
     """The bars on CPU: with a vocabulary of 32,000 the smallest feasible budget falls to at most
     0.35 of the measured unoptimized peak, the plan there measures within its budget, and at
-    the old floor ``chunk_loss=True`` is no slower than the plain plan: the same plan where the
+    the plain floor ``chunk_loss=True`` is no slower than the plain plan: the same plan where the
     chunks do not pay, else a step time within 5 % (median of interleaved steps; a shared
     machine's noise)."""
     import sys
@@ -263,12 +263,12 @@ def test_the_floor_drops_to_a_third_of_the_peak_on_a_32k_vocabulary(build, tmp_p
             optimize(model, inputs, budget_gb=2**-20, chunk_loss=chunked, cache_dir=cache, timing_repeats=1)
         return info.value.min_feasible_bytes
 
-    old_floor, new_floor = floor(False), floor(True)
-    assert new_floor <= 0.35 * peak, (new_floor / peak, old_floor / peak)
-    opt = optimize(model, inputs, budget_gb=new_floor / 2**30, chunk_loss=True, cache_dir=cache, timing_repeats=1)
+    plain_floor, chunked_floor = floor(False), floor(True)
+    assert chunked_floor <= 0.35 * peak, (chunked_floor / peak, plain_floor / peak)
+    opt = optimize(model, inputs, budget_gb=chunked_floor / 2**30, chunk_loss=True, cache_dir=cache, timing_repeats=1)
     assert measure_step_peak_bytes(opt, step) <= opt.plan.budget_bytes
-    plain = optimize(model, inputs, budget_gb=old_floor / 2**30, cache_dir=cache, timing_repeats=1)
-    chunked = optimize(model, inputs, budget_gb=old_floor / 2**30, chunk_loss=True, cache_dir=cache, timing_repeats=1)
+    plain = optimize(model, inputs, budget_gb=plain_floor / 2**30, cache_dir=cache, timing_repeats=1)
+    chunked = optimize(model, inputs, budget_gb=plain_floor / 2**30, chunk_loss=True, cache_dir=cache, timing_repeats=1)
     assert measure_step_peak_bytes(chunked, step) <= chunked.plan.budget_bytes
     if not chunked.plan.computation_changes:
         # the chunks did not pay there: the same plan, so the same step

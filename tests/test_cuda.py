@@ -108,7 +108,7 @@ def test_chunked_loss_lowers_the_floor_of_a_gpu_sized_gpt2(tmp_path):
     """``chunk_loss=True`` on a GPT-2 whose loss sets the peak (vocabulary 50,257, 8 x 1024
     tokens): the smallest feasible budget at most 0.35 of the measured unoptimized peak, the
     measured peak within the budget there, the loss and every gradient allclose (rtol 1e-5)
-    to the unoptimized model's, and at the old floor a step no slower than the plan without
+    to the unoptimized model's, and at the plain floor a step no slower than the plan without
     chunks (2 % for timing noise; median of interleaved CUDA-event timings)."""
     import sys
     from pathlib import Path
@@ -129,9 +129,9 @@ def test_chunked_loss_lowers_the_floor_of_a_gpu_sized_gpt2(tmp_path):
             optimize(model, example, budget_gb=2**-20, chunk_loss=chunk_loss, cache_dir=cache)
         return info.value.min_feasible_bytes
 
-    old_floor, new_floor = floor(False), floor(True)
-    assert new_floor <= 0.35 * peak, (new_floor, peak)
-    opt = optimize(model, example, budget_gb=new_floor / 2**30, chunk_loss=True, cache_dir=cache)
+    plain_floor, chunked_floor = floor(False), floor(True)
+    assert chunked_floor <= 0.35 * peak, (chunked_floor, peak)
+    opt = optimize(model, example, budget_gb=chunked_floor / 2**30, chunk_loss=True, cache_dir=cache)
     assert opt.plan.computation_changes
     assert measure_step_peak_bytes(opt, inputs) <= opt.plan.budget_bytes
     loss, grads = loss_and_grads(opt, model, inputs, seed=5)
@@ -139,8 +139,8 @@ def test_chunked_loss_lowers_the_floor_of_a_gpu_sized_gpt2(tmp_path):
     for key in ref_grads:
         scale = float(ref_grads[key].abs().max())
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=1e-6 * scale, msg=key)
-    plain = optimize(model, example, budget_gb=old_floor / 2**30, cache_dir=cache)
-    chunked = optimize(model, example, budget_gb=old_floor / 2**30, chunk_loss=True, cache_dir=cache)
+    plain = optimize(model, example, budget_gb=plain_floor / 2**30, cache_dir=cache)
+    chunked = optimize(model, example, budget_gb=plain_floor / 2**30, chunk_loss=True, cache_dir=cache)
     assert measure_step_peak_bytes(chunked, inputs) <= chunked.plan.budget_bytes
     _, plain_ratio, chunked_ratio = step_time_ratios([model, plain, chunked], inputs, repeats=7, device=DEVICE)
     assert chunked_ratio <= 1.02 * plain_ratio, (plain_ratio, chunked_ratio)
