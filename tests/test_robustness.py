@@ -81,8 +81,12 @@ def test_a_saved_training_program_with_batch_norm_plans_like_the_model_itself(tm
     model, example = cnn(batch=8, image_size=16, widths=(8, 16))
     model.train()
     gm = prepare_saved_program(_saved_program(model, example, tmp_path / "cnn.pt2"), "cnn.pt2")
-    saved = minimum_peak_plan(profile_graph(gm, example, timing_repeats=1))
-    direct = minimum_peak_plan(profile_graph(trace_module(model, example), example, timing_repeats=1))
+    # CBC: HiGHS 1.16 can hang in its presolve on some of these measured profiles (docs/tuning.md#overrun_s),
+    # and this test is about the saved program, not the MILP solver
+    # and the same search for both: the stage ILP and local moves, no bisection
+    smallest = {"solver": "CBC", "exact": False}
+    saved = minimum_peak_plan(profile_graph(gm, example, timing_repeats=1), **smallest)
+    direct = minimum_peak_plan(profile_graph(trace_module(model, example), example, timing_repeats=1), **smallest)
     assert saved.predicted_peak_bytes < 0.9 * saved.unoptimized_peak_bytes
     assert saved.predicted_peak_bytes <= 1.02 * direct.predicted_peak_bytes
 
