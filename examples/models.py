@@ -1,6 +1,7 @@
 """Example models used by the examples, benchmarks and tests.
 
-``residual_mlp`` is an 8-block residual MLP; ``gpt2`` a HuggingFace ``GPT2LMHeadModel`` built
+``residual_mlp`` is an 8-block residual MLP; ``tied_autoencoder`` an MLP autoencoder whose
+decoder runs the encoder's weights transposed; ``gpt2`` a HuggingFace ``GPT2LMHeadModel`` built
 from a config (no download), dropout on, ``use_cache=False``. Every builder returns
 ``(model, example_inputs)`` with the model in training mode; HuggingFace models come from configs
 only (GPT-2, Llama, Mistral, BERT, T5, Whisper, ViT, ResNet), plus ``torch.nn.Transformer``
@@ -52,6 +53,35 @@ def residual_mlp(batch: int = 2048, seed: int = 0) -> tuple[nn.Module, tuple[Any
     torch.manual_seed(seed)
     model = ResidualMLP().train()
     return model, (torch.randn(batch, 256),)
+
+
+class TiedAutoencoder(nn.Module):
+    """An MLP autoencoder over tokens: ``layers // 2`` encoder linears, then a decoder that runs
+    the same weights transposed (tied), GELU between them, mean-squared reconstruction loss."""
+
+    def __init__(self, width: int = 512, hidden: int = 2048, layers: int = 6) -> None:
+        super().__init__()
+        sizes = [width] + [hidden] * (layers // 2)
+        self.encoder = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.decoder_biases = nn.ParameterList(nn.Parameter(torch.zeros(a)) for a in sizes[:-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.encoder:
+            h = torch.nn.functional.gelu(layer(h))
+        for i in reversed(range(len(self.encoder))):
+            h = torch.nn.functional.linear(h, self.encoder[i].weight.t(), self.decoder_biases[i])
+            if i > 0:
+                h = torch.nn.functional.gelu(h)
+        return torch.nn.functional.mse_loss(h, x)
+
+
+def tied_autoencoder(batch: int = 16, tokens: int = 256, width: int = 512, hidden: int = 2048, layers: int = 6,
+                     seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    """The tied-weight MLP autoencoder (6 layers, width 512, hidden 2048) and 16 x 256 tokens."""
+    torch.manual_seed(seed)
+    model = TiedAutoencoder(width, hidden, layers).train()
+    return model, (torch.randn(batch, tokens, width),)
 
 
 def gpt2(batch: int = 8, seq_len: int = 256, layers: int = 4, seed: int = 0, width: int = 256,

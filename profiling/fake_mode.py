@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from planner.core.costgraph import Storage
-from profiling.gpu_rules import GpuKernels, is_gpu_target, round_block_bytes
+from profiling.gpu_rules import GpuKernels, is_gpu_target, kernel_scratch_bytes, round_block_bytes
 from profiling.interpreter import tensors_of
 from profiling.roofline import calibrated_ms, op_class
+from profiling.temporaries import FakeAllocationTracker
 
 __all__ = ["fake_converter", "roofline_times", "target_kernels", "target_storages"]
 
@@ -72,11 +75,21 @@ def target_kernels(target: str) -> contextlib.AbstractContextManager[Any]:
     """The context a fake-tensor forward runs in for ``target``: on a GPU, attention and dropout
     called as CUDA calls them (:class:`profiling.gpu_rules.GpuKernels`); on ``"cpu"``, nothing.
 
+    For a GPU, each :class:`profiling.temporaries.FakeAllocationTracker` active when this is
+    called also counts, from then on, the scratch ``target``'s kernels take inside an op
+    (:func:`profiling.gpu_rules.kernel_scratch_bytes`): the backward, which runs after this
+    context has closed, allocates most of it (a bias gradient's reduction).
+
     Example:
         >>> type(target_kernels("h100")).__name__, type(target_kernels("cpu")).__name__
         ('GpuKernels', 'nullcontext')
     """
-    return GpuKernels() if is_gpu_target(target) else contextlib.nullcontext()
+    if not is_gpu_target(target):
+        return contextlib.nullcontext()
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, FakeAllocationTracker):
+            mode.kernel_scratch = functools.partial(kernel_scratch_bytes, target=target)
+    return GpuKernels()
 
 
 def target_storages(storages: Iterable[Storage], target: str) -> tuple[Storage, ...]:

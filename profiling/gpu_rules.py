@@ -15,7 +15,12 @@ calls each such op as CUDA would dispatch it, so autograd saves what it saves on
 - ``dropout``: CUDA's fused ``native_dropout`` (a ``bool`` mask, 1 byte per element).
 
 :func:`round_block_bytes` is CUDA's caching allocator's rounding of every block, which
-``max_memory_allocated`` counts.
+``max_memory_allocated`` counts. :func:`kernel_scratch_bytes` is the scratch a CUDA kernel takes
+from that allocator inside one op (no tensor of its own): a ``sum`` or ``mean`` split across
+thread blocks stages partial results in global memory (:func:`reduction_scratch_bytes`). That
+is most of a matmul's backward on a GPU: the gradient of a linear's bias is the sum of the
+output gradient over the batch, and on the H100 its staging buffer took twice that gradient's
+bytes, up to 132 MiB (docs/tuning.md#reduction_scratch).
 
 Example:
     >>> import torch
@@ -39,7 +44,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GpuKernels", "sdpa_backend", "round_block_bytes", "BLOCK_BYTES", "is_gpu_target"]
+__all__ = ["GpuKernels", "sdpa_backend", "round_block_bytes", "BLOCK_BYTES", "is_gpu_target",
+           "kernel_scratch_bytes", "reduction_scratch_bytes"]
 
 aten = torch.ops.aten
 
@@ -75,6 +81,138 @@ def round_block_bytes(size_bytes: int) -> int:
         (0, 512, 512)
     """
     return BLOCK_BYTES * math.ceil(size_bytes / BLOCK_BYTES)
+
+
+#: CUDA's reduction kernel (``aten/src/ATen/native/cuda/Reduce.cuh``, ``setReduceConfig``): at
+#: most 512 threads a block, a warp of 32, each thread summing at least 16 and at most 256 values
+#: once the input is split across blocks, outputs read 4 at a time
+_REDUCE_MAX_THREADS, _WARP, _MIN_VALUES, _MAX_VALUES, _MAX_VECTOR = 512, 32, 16, 256, 4
+#: the reductions whose CUDA kernel is that one (``sum_kernel_cuda``, ``mean_kernel_cuda``)
+_STAGED_REDUCTIONS = ("aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default")
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _iterator_dims(shape: tuple[int, ...], strides: tuple[int, ...], reduced: set[int]) -> list[tuple[int, int, bool]]:
+    """``(size, input stride, reduced)`` of the dimensions a reduction's ``TensorIterator`` runs
+    over: size-one dimensions dropped, reduced ones first, each group ordered by stride, and
+    neighbours of a group merged where the input is contiguous across them."""
+    dims = [(shape[d], strides[d], d in reduced) for d in range(len(shape)) if shape[d] != 1]
+    dims.sort(key=lambda dim: (not dim[2], dim[1]))
+    merged: list[tuple[int, int, bool]] = []
+    for size, stride, red in dims:
+        if merged and merged[-1][2] == red and merged[-1][0] * merged[-1][1] == stride:
+            merged[-1] = (merged[-1][0] * size, merged[-1][1], red)
+        else:
+            merged.append((size, stride, red))
+    return merged
+
+
+def reduction_scratch_bytes(shape: tuple[int, ...], strides: tuple[int, ...], dims: Any, target: str,
+                            accumulator_bytes: int = 4) -> int:
+    """Bytes CUDA's reduction kernel takes from the caching allocator while it reduces a tensor of
+    ``shape`` and ``strides`` (in elements) over ``dims`` (None or empty: all) on GPU ``target``.
+
+    ``setReduceConfig`` in ``Reduce.cuh``, followed step by step: when each thread would still sum
+    256 values or more, the reduction is split across up to ``ctas_per_output`` thread blocks
+    (enough blocks to fill the GPU's SMs, :class:`profiling.roofline.DeviceSpec`), which stage
+    partial results in a global buffer of ``accumulator_bytes * outputs * ctas_per_output`` (times
+    the block width and output vector width when outputs lie along the fastest dimension) and
+    count finished blocks in an ``int`` semaphore per block column. Both are freed when the kernel
+    has been queued. A sum over the batch of a (batch, features) gradient, a bias gradient, stages
+    ``min(2, 132 MiB / gradient bytes)`` times the gradient's bytes on an H100 (float32).
+    Inputs over 2**31 elements, which CUDA splits into several launches, are taken as one.
+
+    Example:
+        >>> MiB = 2**20
+        >>> reduction_scratch_bytes((4096, 768), (768, 1), [0], "h100") // MiB   # twice 12 MiB
+        24
+        >>> reduction_scratch_bytes((65536, 1024), (1024, 1), [0], "h100") // MiB   # at most 132
+        132
+        >>> reduction_scratch_bytes((4096, 768), (768, 1), [1], "h100") < MiB   # along rows: small
+        True
+        >>> reduction_scratch_bytes((4096, 768), (768, 1), [0], "cpu")
+        0
+    """
+    from profiling.roofline import DEVICE_SPECS
+
+    spec = DEVICE_SPECS.get(target.lower())
+    if spec is None or not spec.sm_count:
+        return 0
+    ndim = len(shape)
+    reduced = set(range(ndim)) if not dims else {d % ndim for d in dims} if ndim else set()
+    iter_dims = _iterator_dims(tuple(shape), tuple(strides), reduced)
+    if not iter_dims or not any(red for _, _, red in iter_dims):
+        return 0
+    num_outputs = math.prod(size for size, _, red in iter_dims if not red)
+    num_inputs = math.prod(size for size, _, red in iter_dims if red)
+    outputs_dims = [(size, stride) for size, stride, red in iter_dims if not red]
+    fastest_reduced = not outputs_dims or iter_dims[0][1] < outputs_dims[0][1]
+    vector = 1
+    if fastest_reduced:
+        dim0, dim1 = num_inputs, num_outputs
+        if iter_dims[0][1] == 1 and dim0 >= 128 and sum(red for _, _, red in iter_dims) == 1:
+            dim0 //= _MAX_VECTOR  # loads vectorised along the input
+    else:
+        dim0, dim1 = num_outputs, num_inputs
+        if outputs_dims[0][1] == 1:
+            vector = _MAX_VECTOR
+            others = [stride for size, stride, _ in iter_dims if (size, stride) != outputs_dims[0]]
+            while vector > 1 and any(n % vector for n in (outputs_dims[0][0], *others)):
+                vector //= 2
+            dim0 //= vector
+    max_threads = _REDUCE_MAX_THREADS // vector
+    dim0_pow2 = max_threads if dim0 >= max_threads else _last_pow2(dim0)
+    dim1_pow2 = max_threads if dim1 >= max_threads else _last_pow2(dim1)
+    block_width = min(dim0_pow2, _WARP)
+    block_height = min(dim1_pow2, max_threads // block_width)
+    block_width = min(dim0_pow2, max_threads // block_height)
+    step_input = block_width if fastest_reduced else 1
+    step_output = 1 if fastest_reduced else block_width
+    if _div_up(num_inputs, step_input) < min(block_height * _MIN_VALUES, _MAX_VALUES):
+        return 0  # each warp takes outputs of its own: no split of the input across blocks
+    step_input *= block_height
+    values = _div_up(num_inputs, step_input)
+    target_grid = spec.sm_count * (spec.max_threads_per_sm // (block_width * block_height))
+    grid = _div_up(num_outputs // vector, step_output)
+    if values < _MAX_VALUES or grid > target_grid:
+        return 0
+    ctas = max(min(_div_up(target_grid, grid), _div_up(values, _MIN_VALUES)), _div_up(values, _MAX_VALUES))
+    if ctas <= 1:
+        return 0
+    staging = accumulator_bytes * num_outputs * ctas * (1 if fastest_reduced else block_width * vector)
+    return round_block_bytes(staging) + round_block_bytes(4 * grid)
+
+
+def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: str) -> int:
+    """Bytes the CUDA kernel of aten op ``func`` takes from the caching allocator while it runs on
+    GPU ``target`` and gives back before returning, beyond its outputs: the staging buffer of a
+    ``sum`` or ``mean`` split across thread blocks (:func:`reduction_scratch_bytes`; float32
+    accumulation below double precision); 0 for every other op. These bytes count in CUDA's
+    ``max_memory_allocated`` but belong to no tensor, so a fake-tensor profile sees them only from
+    here (:class:`profiling.temporaries.FakeAllocationTracker`).
+
+    Example:
+        >>> g = torch.empty(4096, 768)
+        >>> kernel_scratch_bytes(torch.ops.aten.sum.dim_IntList, (g, [0], True), {}, "h100") // 2**20
+        24
+        >>> kernel_scratch_bytes(torch.ops.aten.sum.dim_IntList, (g, [0], True), {}, "cpu")
+        0
+    """
+    if not is_gpu_target(target) or str(func) not in _STAGED_REDUCTIONS:
+        return 0
+    x = args[0] if args else kwargs.get("self")
+    if not isinstance(x, torch.Tensor) or x.numel() == 0 or x.is_complex():
+        return 0
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    accumulator = 8 if x.dtype == torch.float64 else 4
+    return reduction_scratch_bytes(tuple(x.shape), tuple(x.stride()), dims, target, accumulator)
 
 
 def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,

@@ -43,6 +43,7 @@ __all__ = [
     "run_step",
     "unflatten_output",
     "measure_step_peak_bytes",
+    "profiled_step_peak_bytes",
     "measure_step_flops",
     "preserved_state",
 ]
@@ -235,6 +236,13 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
             output = run_step(module, inputs)
             del output
         return baseline + _running_peak_bytes(prof)
+
+
+def profiled_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs, prof: torch.profiler.profile) -> int:
+    """The peak of one CPU training step of ``module`` that ran inside ``prof`` (a
+    :func:`memory_profile`), as :func:`measure_step_peak_bytes` measures it: what the module
+    and its inputs hold, plus the highest running sum of the step's allocations."""
+    return _held_bytes(module, inputs) + _running_peak_bytes(prof)
 
 
 def allocation_events(prof: torch.profiler.profile, device_type: str = "cpu") -> list[tuple[int, int]]:

@@ -61,12 +61,15 @@ def cpu_timer(fn: Callable[[], Any]) -> float:
 class NodeTimes:
     """Median forward time of every node, in ms, and for the nodes asked for, the median share
     of that time spent after the node's last save for backward (0 to 1); ``passes`` timed
-    passes whose forward times spread by ``spread`` (:func:`pass_spread`)."""
+    passes whose forward times spread by ``spread`` (:func:`pass_spread`), and on CPU each
+    pass's step time."""
 
     time_ms: dict[str, float]
     after_last_save_share: dict[str, float]
     passes: int = 0
     spread: float = 0.0
+    #: each timed pass's whole step: its node times summed plus its backward's wall time
+    step_totals_ms: tuple[float, ...] = ()
 
 
 def pass_spread(totals_ms: list[float]) -> float:
@@ -145,34 +148,42 @@ def _medians(values: dict[str, list[float]]) -> dict[str, float]:
 
 
 def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
-                         timer: Timer, split_nodes: Collection[str] = ()) -> NodeTimes:
+                         timer: Timer, split_nodes: Collection[str] = (), warm_up: bool = True) -> NodeTimes:
     """Median forward time (ms) of every node of ``gm`` over ``repeats`` warm training steps on
     CPU, and of each of ``split_nodes`` the share after its last save (wall clock at the last
     pack of a saved tensor; a node that saves nothing gets none).
 
     ``flat_inputs`` are the graph's placeholders in order; ``timer`` measures one call
-    (:func:`cpu_timer`). One untimed step runs first. While the timed passes' forward times
-    spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy machine), more passes are timed, up
-    to :data:`MAX_TIMING_PASSES`, so the medians do not follow the noise. RNG state, buffers and
+    (:func:`cpu_timer`); it also times each pass's backward as a whole, so the passes give the
+    step's time too (``NodeTimes.step_totals_ms``). One untimed step runs first unless
+    ``warm_up`` is False (the caller has just run a step of ``gm`` itself). While the timed
+    passes' forward times spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy machine), more
+    passes are timed, up to :data:`MAX_TIMING_PASSES`, so the medians do not follow the noise. RNG state, buffers and
     ``.grad`` of ``gm`` are restored afterwards.
     """
     times_ms: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
+    backward_ms: list[float] = []
     repeats = max(1, repeats)
     with preserved_state(gm):
-        warm_up, passes = True, 0
+        passes = 0
         while warm_up or passes < repeats or (passes < MAX_TIMING_PASSES
                                               and pass_spread(_pass_totals(times_ms)) > TIMING_SPREAD_LIMIT):
             interpreter = _NodeTimer(gm, timer, None if warm_up else times_ms, split_nodes, shares)
             flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)
-            loss_of(unflatten_output(gm, flat_out)).backward()
-            del flat_out
+            loss = loss_of(unflatten_output(gm, flat_out))
+            if warm_up:
+                loss.backward()
+            else:
+                backward_ms.append(timer(loss.backward))
+            del loss, flat_out
             for p in gm.parameters():
                 p.grad = None
             passes += not warm_up
             warm_up = False
     totals = _pass_totals(times_ms)
-    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals))
+    steps = tuple(forward + backward for forward, backward in zip(totals, backward_ms))
+    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals), steps)
 
 
 def _timing_event() -> torch.cuda.Event:

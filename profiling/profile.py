@@ -6,8 +6,9 @@ storage), its output bytes, its forward time (CUDA events on a GPU, a timer on C
 over warm passes of the whole step, :mod:`profiling.node_times`) and its FLOPs
 (``FlopCounterMode``), plus whether it draws random numbers or mutates state.
 :func:`profile_graph` runs the graph once under :class:`profiling.interpreter.ProfilingInterpreter`,
-times the nodes and the whole step, measures per-node temporaries (:mod:`profiling.temporaries`)
-and assembles the nodes (:mod:`profiling.cost_nodes`); on fake tensors it estimates instead
+assembles the nodes (:mod:`profiling.cost_nodes`), runs one step under the memory profiler
+(per-node temporaries and the step's peak, :mod:`profiling.temporaries`), then the warm timing
+passes (node times and the step's time); on fake tensors it estimates instead
 (:mod:`profiling.fake_mode`).
 
 Example:
@@ -23,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 from typing import Any
@@ -31,7 +33,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves
 
-from planner.core.costgraph import CostGraph
+from planner.core.costgraph import CostGraph, CostNode
 from profiling.cost_nodes import StorageTable, cost_nodes
 from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
@@ -55,7 +57,7 @@ from profiling.node_times import (
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
 from profiling.selective_overhead import selective_overhead_ms_per_node
-from profiling.temporaries import FakeAllocationTracker, measure_node_peaks
+from profiling.temporaries import FakeAllocationTracker, NodePeaks, measure_node_peaks
 
 __all__ = ["profile_graph", "flat_graph_inputs"]
 
@@ -107,13 +109,16 @@ def profile_graph(
     """Profile one forward plus backward of ``gm`` on ``example_inputs``.
 
     Each node's time is its median over ``timing_repeats`` warm training steps run node by node
-    after an untimed one (:func:`profiling.node_times.time_nodes_in_passes`; on CUDA, GPU time
+    after the step that measures temporaries, which warms the allocator
+    (:func:`profiling.node_times.time_nodes_in_passes`; on CUDA, GPU time
     with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`);
     nodes running the same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
     RNG state, buffers and gradients of ``gm`` are restored afterwards, so profiling leaves the
-    model as it was. With ``measure_peak``, the unoptimized step's peak is also measured at the
-    allocator and stored as ``measured_peak_bytes``.
+    model as it was. The step's time is the median of the passes' node times plus their
+    backward (on CUDA, of ``step_repeats`` whole steps). With ``measure_peak``, the unoptimized
+    step's peak is also measured at the allocator (on CPU, in the step that measures
+    temporaries) and stored as ``measured_peak_bytes``.
 
     With ``fake=True`` nothing is allocated or run for real: the graph runs on fake tensors
     (``FakeTensorMode``), so bytes come from tensor sizes alone (the same on every machine;
@@ -162,51 +167,101 @@ def profile_graph(
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
         del loss, output, flat_out
     if tracker is not None:
-        forward_peaks, backward_peaks = tracker.forward_peaks(), tracker.backward_peaks()
         roofline_times(gm, interp.records, target)
-        step_times: list[float] = []
-        timing: dict[str, Any] = {}
+        nodes = cost_nodes(gm, interp.records, table, tracker.forward_peaks(), tracker.backward_peaks())
+        step_ms = 3 * sum(n.time_ms for n in nodes)  # with no measured step, forward plus backward is three forwards
+        measured_peak_bytes, timing = None, {}
     else:
-        timer = step_timer(device)
-        progress_log.info("profiling: timing nodes in %d warm passes", timing_repeats)
         # nodes a recompute can stop inside: time the share after their last save
         split = {name for name, rec in interp.records.items()
                  if rec.get("after_last_save_fraction") is not None and 0.0 < rec["after_last_save_fraction"] < 1.0}
-        node_times = (time_nodes_on_cuda(gm, flat, timing_repeats, split_nodes=split) if device.type == "cuda"
-                      else time_nodes_in_passes(gm, flat, timing_repeats, timer, split_nodes=split))
-        timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread}
-        for name, time_ms in node_times.time_ms.items():
-            interp.records[name]["time_ms"] = time_ms
-        for name, share in node_times.after_last_save_share.items():
-            interp.records[name]["after_last_save_time_fraction"] = share
-        pooled = pool_repeated_op_times(interp.records)
-        log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
-        progress_log.info("profiling: measuring per-node temporaries")
-        forward_peaks, backward_peaks = measure_node_peaks(gm, inputs)
-    nodes = cost_nodes(gm, interp.records, table, forward_peaks, backward_peaks)
-    # every value of the profiling run is still held by the interpreter: a step timed beside
-    # them ran 20 % slower than the same step afterwards (GPT-2 width 256: 983 against 815 ms)
-    del interp
-    if tracker is None:
-        progress_log.info("profiling: timing %d steps", step_repeats)
-        step_times = _step_times_ms(gm, inputs, timer, step_repeats)
-        timing["step_time_spread"] = pass_spread(step_times)
+        nodes = cost_nodes(gm, interp.records, table, {}, {})  # times and temporaries measured below
+        signatures = {name: rec["signature"] for name, rec in interp.records.items()}
+        # the profiling run holds every value it made: passes timed beside them ran slower (a
+        # GPT-2 step 20 % slower: 983 against 815 ms), so they go before anything is timed
+        del interp
+        table.keep.clear()
+        progress_log.info("profiling: measuring per-node temporaries%s",
+                          " and the step's peak" if measure_peak else "")
+        # a whole step with values freed as the module frees them: it also warms the allocator
+        # for the timing passes, which then need no untimed step of their own
+        peaks = measure_node_peaks(gm, inputs)
+        node_times, step_ms = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats)
+        timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread,
+                  "step_time_spread": node_times.step_spread}
         _warn_if_noisy(timing)
+        measured_peak_bytes = None
+        if measure_peak:
+            measured_peak_bytes = (peaks.step_peak_bytes if peaks.step_peak_bytes is not None
+                                   else measure_step_peak_bytes(gm, inputs))
+        nodes = _with_measurements(nodes, signatures, node_times, peaks)
     graph = CostGraph(
         nodes=nodes,
         storages=target_storages(table.storages, target) if fake else tuple(table.storages),
         output_names=output_names,
         loss_names=loss_names,
-        # with no measured step, forward plus backward is taken as three forwards
-        step_ms=statistics.median(step_times) if step_times else 3 * sum(n.time_ms for n in nodes),
+        step_ms=step_ms,
         segment_overhead_bytes=_rng_state_bytes(device),
         selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
-        measured_peak_bytes=measure_step_peak_bytes(gm, inputs) if measure_peak and not fake else None,
+        measured_peak_bytes=measured_peak_bytes,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
                   "computation_changes": list(gm.meta.get("computation_changes", ())), **timing},
     )
     log.info("profiled %d nodes, %d storages%s", len(nodes), len(table.storages), " (fake tensors)" if fake else "")
     return graph
+
+
+def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInputs, device: torch.device,
+                    repeats: int, split: set[str], step_repeats: int) -> tuple["_NodeTimings", float]:
+    """Each node's warm forward time (pooled over twin ops) and the step's time, in ms.
+
+    On CPU the step's time comes from the same passes (their node times plus their backward),
+    so no step runs only to be timed; on CUDA, where the passes queue the forward ahead of the
+    GPU, ``step_repeats`` whole steps are timed after them."""
+    progress_log.info("profiling: timing nodes in %d warm passes", repeats)
+    if device.type == "cuda":
+        node_times = time_nodes_on_cuda(gm, flat, repeats, split_nodes=split)
+        step_times = _step_times_ms(gm, inputs, step_timer(device), step_repeats)
+    else:
+        node_times = time_nodes_in_passes(gm, flat, repeats, step_timer(device), split_nodes=split, warm_up=False)
+        step_times = list(node_times.step_totals_ms)
+    timings = _NodeTimings(node_times.time_ms, node_times.after_last_save_share, node_times.passes,
+                           node_times.spread, pass_spread(step_times))
+    return timings, statistics.median(step_times)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeTimings:
+    """What :func:`_measured_times` measured: medians per node, and how much the passes and
+    the steps spread (:func:`profiling.node_times.pass_spread`)."""
+
+    time_ms: dict[str, float]
+    after_last_save_share: dict[str, float]
+    passes: int
+    spread: float
+    step_spread: float
+
+
+def _with_measurements(nodes: tuple[CostNode, ...], signatures: dict[str, Any], timings: _NodeTimings,
+                       peaks: NodePeaks) -> tuple[CostNode, ...]:
+    """``nodes`` with their measured times (twin ops pooled, :func:`pool_repeated_op_times`)
+    and the peaks of their forward and backward."""
+    records = {name: {"signature": signatures[name], "time_ms": time_ms,
+                      "after_last_save_time_fraction": timings.after_last_save_share.get(name)}
+               for name, time_ms in timings.time_ms.items()}
+    pooled = pool_repeated_op_times(records)
+    log.debug("profiling: %d nodes share their time with a twin op (median)", pooled)
+    measured: list[CostNode] = []
+    for node in nodes:
+        if node.kind == "compute":
+            rec = records.get(node.name, {})
+            node = dataclasses.replace(
+                node, time_ms=rec.get("time_ms", node.time_ms),
+                after_last_save_time_fraction=rec.get("after_last_save_time_fraction"),
+                forward_peak_bytes=peaks.forward.get(node.name, 0),
+                backward_peak_bytes=peaks.backward.get(node.name, 0))
+        measured.append(node)
+    return tuple(measured)
 
 
 def _warn_if_noisy(timing: dict[str, Any]) -> None:

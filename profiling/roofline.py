@@ -29,28 +29,36 @@ class DeviceSpec:
     """Peak dense float32 FLOP/s (tensor-core TF32 where the device has it), memory bandwidth, and
     the device's memory in bytes (a natural ``budget_gb``: ``memory_bytes / 2**30``; 0 when not
     fixed); for a GPU also the dense float32 peak without tensor cores (torch's default for
-    float32 matmuls) and the dense float16/bfloat16 tensor-core peak (0: ``flops_per_s``)."""
+    float32 matmuls) and the dense float16/bfloat16 tensor-core peak (0: ``flops_per_s``), and
+    its streaming multiprocessors and the most threads one of them runs at once (CUDA's
+    ``multiProcessorCount`` and ``maxThreadsPerMultiProcessor``), which size the scratch buffer of
+    a reduction kernel (:func:`profiling.gpu_rules.reduction_scratch_bytes`; 0 on the CPU)."""
 
     flops_per_s: float
     bytes_per_s: float
     memory_bytes: int = 0
     fp32_flops_per_s: float = 0.0
     half_flops_per_s: float = 0.0
+    sm_count: int = 0
+    max_threads_per_sm: int = 0
 
 
-# Public datasheet figures (SXM parts); "cpu" is a modest 2-core machine.
+# Public datasheet figures (SXM parts; SM counts and threads per SM from the CUDA programming
+# guide's compute-capability tables: 1,536 on sm_89, 2,048 on sm_80 and sm_90); "cpu" is a
+# modest 2-core machine.
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(flops_per_s=1.0e11, bytes_per_s=2.0e10),
     "l4": DeviceSpec(flops_per_s=60e12, bytes_per_s=0.3e12, memory_bytes=24 * 10**9,
-                     fp32_flops_per_s=30.3e12, half_flops_per_s=121e12),
+                     fp32_flops_per_s=30.3e12, half_flops_per_s=121e12, sm_count=58, max_threads_per_sm=1536),
     "a100": DeviceSpec(flops_per_s=156e12, bytes_per_s=1.555e12, memory_bytes=40 * 10**9,
-                       fp32_flops_per_s=19.5e12, half_flops_per_s=312e12),
+                       fp32_flops_per_s=19.5e12, half_flops_per_s=312e12, sm_count=108, max_threads_per_sm=2048),
     "a100-80gb": DeviceSpec(flops_per_s=156e12, bytes_per_s=2.039e12, memory_bytes=80 * 10**9,
-                            fp32_flops_per_s=19.5e12, half_flops_per_s=312e12),
+                            fp32_flops_per_s=19.5e12, half_flops_per_s=312e12, sm_count=108,
+                            max_threads_per_sm=2048),
     "h100": DeviceSpec(flops_per_s=494e12, bytes_per_s=3.35e12, memory_bytes=80 * 10**9,
-                       fp32_flops_per_s=67e12, half_flops_per_s=989e12),
+                       fp32_flops_per_s=67e12, half_flops_per_s=989e12, sm_count=132, max_threads_per_sm=2048),
     "h200": DeviceSpec(flops_per_s=494e12, bytes_per_s=4.8e12, memory_bytes=141 * 10**9,
-                       fp32_flops_per_s=67e12, half_flops_per_s=989e12),
+                       fp32_flops_per_s=67e12, half_flops_per_s=989e12, sm_count=132, max_threads_per_sm=2048),
 }
 
 

@@ -18,16 +18,17 @@ Example:
     >>> from profiling.measure import StepInputs
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     >>> x = torch.randn(4, 8)
-    >>> fwd, bwd = measure_node_peaks(trace_module(model, (x,)), StepInputs.from_example((x,)))
-    >>> fwd["relu"] >= 4 * 8 * 4
-    True
+    >>> peaks = measure_node_peaks(trace_module(model, (x,)), StepInputs.from_example((x,)))
+    >>> peaks.forward["relu"] >= 4 * 8 * 4, peaks.step_peak_bytes > 0
+    (True, True)
 """
 
 from __future__ import annotations
 
 import bisect
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -42,10 +43,11 @@ from profiling.measure import (
     loss_of,
     memory_profile,
     preserved_state,
+    profiled_step_peak_bytes,
     unflatten_output,
 )
 
-__all__ = ["measure_node_peaks", "FakeAllocationTracker"]
+__all__ = ["measure_node_peaks", "NodePeaks", "FakeAllocationTracker"]
 
 _PREFIX = "fxnode::"
 _BACKWARD = "autograd::engine::evaluate_function:"
@@ -66,17 +68,30 @@ def _walk(roots: list[Any]) -> list[Any]:
     return out
 
 
-def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[dict[str, int], dict[str, int]]:
-    """Per node name: peak bytes allocated during its forward, and during its backward."""
+class NodePeaks(NamedTuple):
+    """Per node name, the peak bytes allocated during its forward and during its backward; and
+    the whole step's peak (:func:`profiling.measure.measure_step_peak_bytes`'s figure, taken
+    from the same profiled step on CPU; None on other devices)."""
+
+    forward: dict[str, int]
+    backward: dict[str, int]
+    step_peak_bytes: int | None
+
+
+def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> NodePeaks:
+    """Measure each node's forward and backward peak in one profiled training step (values
+    freed after their last use, as the module's own forward frees them)."""
     flat = flat_graph_inputs(gm, inputs)
     with preserved_state(gm), memory_profile() as prof:
         flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)
         output = unflatten_output(gm, flat_out)
         loss_of(output).backward()
         del output, flat_out
+    device_type = device_of(gm, inputs).type
+    step_peak_bytes = profiled_step_peak_bytes(gm, inputs, prof) if device_type == "cpu" else None
 
     events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
-    allocations = allocation_events(prof, device_of(gm, inputs).type)
+    allocations = allocation_events(prof, device_type)
     times = [t for t, _ in allocations]
     running: list[int] = []
     total = 0
@@ -112,7 +127,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> tuple[di
             lo, hi = windows.get(name, (event.start_time_ns, event.end_time_ns))
             windows[name] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
     backward = {name: peak_in(lo, hi) for name, (lo, hi) in windows.items()}
-    return forward, backward
+    return NodePeaks(forward, backward, step_peak_bytes)
 
 
 class FakeAllocationTracker(TorchDispatchMode):
@@ -124,7 +139,11 @@ class FakeAllocationTracker(TorchDispatchMode):
     tensor on that storage is garbage collected. Forward windows are marked by the profiler
     (:meth:`node_started`/:meth:`node_finished`, which also record the autograd sequence
     numbers a node creates); backward windows come from the autograd node running each op.
-    Scratch memory inside a single kernel (no aten op of its own) stays invisible.
+    Scratch memory inside a single kernel (no aten op of its own) is invisible to it, so
+    ``kernel_scratch`` (``(func, args, kwargs) -> bytes``, None: none) names what the target
+    device's kernel of an op takes and gives back before returning; profiling for a GPU sets it to
+    :func:`profiling.gpu_rules.kernel_scratch_bytes` (a reduction's staging buffer), which counts on
+    top of the op's outputs at that op. On the CPU target it stays None.
 
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -138,8 +157,9 @@ class FakeAllocationTracker(TorchDispatchMode):
         True
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_scratch: Callable[[Any, Any, dict[str, Any]], int] | None = None) -> None:
         super().__init__()
+        self.kernel_scratch = kernel_scratch
         self.live_bytes = 0
         self.running: list[int] = []  # running total after each allocation or free, in order
         self._holders: dict[int, int] = {}  # storage key -> tracked tensors alive on it
@@ -191,6 +211,11 @@ class FakeAllocationTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in known:
                 self._track(t)
+        scratch = self.kernel_scratch(func, args, kwargs or {}) if self.kernel_scratch is not None else 0
+        if scratch:
+            # taken by the kernel once its outputs exist, given back before the op returns
+            self.running.append(self.live_bytes + scratch)
+            self.running.append(self.live_bytes)
         if node is not None:
             seq = int(node._sequence_nr())
             lo, hi = self._backward.get(seq, (first, len(self.running)))

@@ -118,9 +118,10 @@ def test_noisy_node_timings_take_more_passes_and_report_their_spread():
     x = torch.randn(4, 8)
     gm = trace_module(model, (x,))
     timed = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    steady, noisy = _steady_and_noisy_timers(len(timed))
+    steady, noisy = _steady_and_noisy_timers(len(timed) + 1)  # each node, then the backward
     calm = time_nodes_in_passes(gm, [x], repeats=3, timer=steady)
     assert (calm.passes, calm.spread) == (3, 0.0)
+    assert calm.step_totals_ms == (len(timed) + 1.0,) * 3  # each pass's nodes plus its backward
     busy = time_nodes_in_passes(gm, [x], repeats=3, timer=noisy)
     assert busy.passes == MAX_TIMING_PASSES and busy.spread > TIMING_SPREAD_LIMIT
     # five fast passes of nine: each node's median is the fast time
