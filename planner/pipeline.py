@@ -30,6 +30,7 @@ from planner.core.costgraph import (
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
 from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
@@ -290,8 +291,21 @@ class Replanner:
         if graph is None:
             graph = profile(gm)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
-            gm, plan, graph = plan_choosing_loss_chunks(gm, graph, chunk_loss_on=self.capture.chunk_loss, trace=trace,
-                                                        profile=profile, plan=plan_at)
+            try:
+                gm, plan, graph = plan_choosing_loss_chunks(gm, graph, chunk_loss_on=self.capture.chunk_loss,
+                                                            trace=trace, profile=profile, plan=plan_at)
+            except InfeasibleBudgetError as refusal:
+                # a budget just under the predicted floor: the plans that would meet it are measured
+                fitted = plan_fitting_on_measurement(
+                    gm, example_inputs, refusal, self.planning,
+                    lambda budget_gb, options: plan_for_budget(graph, budget_gb, options, grads_held=grads_held),
+                    grads_held=grads_held)
+                if fitted is None:
+                    raise
+                log.info("plan: measured peak %.3f GiB of %.3f GiB budget (predicted %.3f GiB), %d segments",
+                         fitted[1].measured_peak_bytes / GIB, fitted[1].budget_bytes / GIB,
+                         fitted[1].predicted_peak_bytes / GIB, len(fitted[1].segments))
+                return fitted[0], fitted[1], graph
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph

@@ -36,7 +36,7 @@ from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.trace import RUN_ONCE_OPS
 
-__all__ = ["apply_plan", "CheckpointedSegment", "PRISTINE_GRAPH", "copy_graph", "fresh_copy"]
+__all__ = ["apply_plan", "CheckpointedSegment", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,13 @@ def fresh_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     pristine = gm.meta.get(PRISTINE_GRAPH)
     if pristine is None:
         raise PlannerError("this module was built without its graph as captured; re-plan with optimize()")
-    fresh = torch.fx.GraphModule(gm, copy_graph(pristine))
+    return module_copy(gm, pristine)
+
+
+def module_copy(gm: torch.fx.GraphModule, graph: torch.fx.Graph | None = None) -> torch.fx.GraphModule:
+    """A new GraphModule running a copy of ``graph`` (default: ``gm``'s) on ``gm``'s own
+    parameters and buffers, called as ``gm`` is called: a plan can rewrite it and leave ``gm`` be."""
+    fresh = torch.fx.GraphModule(gm, copy_graph(gm.graph if graph is None else graph))
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(fresh, attr, getattr(gm, attr))

@@ -133,6 +133,9 @@ class Plan:
     #: which path made the plan: ``"graph"`` (the captured FX graph, node by node) or
     #: ``"modules"`` (whole submodule calls, for models torch.export cannot capture: coarser)
     capture: str = "graph"
+    #: the rewritten step's peak measured at the allocator, where the plan was accepted on that
+    #: measurement because its prediction sat above the budget's room (:mod:`planner.measured_fit`)
+    measured_peak_bytes: int | None = None
 
     @property
     def recompute_ms(self) -> float:
@@ -162,6 +165,9 @@ class Plan:
             ("unoptimized peak", f"{self.unoptimized_peak_bytes / GIB:.4f} GiB (predicted)"),
             ("planned peak", f"{self.predicted_peak_bytes / GIB:.4f} GiB (predicted, "
                              f"{self.predicted_peak_bytes / max(self.unoptimized_peak_bytes, 1):.0%} of unoptimized)"),
+            *([("measured peak", f"{self.measured_peak_bytes / GIB:.4f} GiB (measured at the allocator: the "
+                                 f"prediction is above the budget's room, the measurement within it)")]
+              if self.measured_peak_bytes is not None else []),
             ("recomputed", describe_segments(self.segments)),
             ("extra time", f"{format_ms(self.recompute_ms)} per step (~{self.overhead_ratio:.1%} of a "
                            f"{format_ms(self.step_ms)} step)"),
