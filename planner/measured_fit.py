@@ -21,9 +21,10 @@ Example:
     >>> x = torch.randn(256, 64)
     >>> gm = trace_module(model, (x,))
     >>> graph = profile_graph(gm, (x,), timing_repeats=1)
-    >>> floor = InfeasibleBudgetError(2**20, graph.measured_peak_bytes)  # a budget below the floor
     >>> plan_at = lambda budget_gb, options: plan_for_budget(graph, budget_gb, options)
-    >>> plan_fitting_on_measurement(gm, (x,), floor, PlanOptions(), plan_at) is None
+    >>> peak = graph.measured_peak_bytes
+    >>> far_below = InfeasibleBudgetError(peak // 4, peak)  # a quarter of the peak: no plan is near it
+    >>> plan_fitting_on_measurement(gm, (x,), far_below, PlanOptions(), plan_at) is None
     True
 """
 
