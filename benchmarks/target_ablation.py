@@ -3,8 +3,8 @@
 For each profile in ``../shared/profiles/h100/``, the model is profiled on fake tensors for the
 H100 (as ``benchmarks/target_accuracy.py`` does) once with every rule of
 :mod:`profiling.gpu_rules` switched off (the CPU's kernels) and once with each rule off alone,
-and the predicted unoptimized peak is set beside the one measured on the H100. Four fake
-profiles per model: about four minutes for the six on a 2-core machine.
+and the predicted unoptimized peak is set beside the one measured on the H100. Five fake
+profiles per model: about five minutes for the six on a 2-core machine.
 
     python benchmarks/target_ablation.py [--models gpt2_gpu ...] [--docs]
 """
@@ -28,12 +28,14 @@ from planner.core.simulate import simulate  # noqa: E402
 
 #: each GPU rule, switched off alone (``None``: all of them)
 RULES = {"no GPU rules (CPU kernels)": None, "without the attention rule": "_ATTENTION",
-         "without the dropout rule": "_DROPOUT", "without allocator rounding": "rounding"}
+         "without the dropout rule": "_DROPOUT", "without allocator rounding": "rounding",
+         "without reduction scratch": "scratch"}
 
 
 def ablation_rows(models: list[str], target: str = "h100") -> list[list[str]]:
     """The unoptimized peak's error against the H100's with each GPU rule off in turn: where the
     gap between CPU kernels and the GPU's comes from."""
+    import profiling.fake_mode as fake_mode_module
     import profiling.profile as profile_module
     from profiling.gpu_rules import GpuKernels
 
@@ -48,6 +50,8 @@ def ablation_rows(models: list[str], target: str = "h100") -> list[list[str]]:
                 patches.append(mock.patch.object(profile_module, "target_storages", lambda s, _t: tuple(s)))
             elif rule == "rounding":
                 patches.append(mock.patch.object(profile_module, "target_storages", lambda s, _t: tuple(s)))
+            elif rule == "scratch":
+                patches.append(mock.patch.object(fake_mode_module, "kernel_scratch_bytes", lambda *_a, **_k: 0))
             else:
                 patches.append(mock.patch.object(GpuKernels, rule, ()))
             with contextlib.ExitStack() as stack:
@@ -68,8 +72,9 @@ def ablation_markdown(table: list[list[str]]) -> str:
 
 ABLATION_ABOUT = """Each column profiles the model on fake tensors for the H100 with one of the
 rules of `profiling.gpu_rules` switched off (the first column: all of them, so the CPU's kernels
-decide what is saved), and gives the predicted unoptimized peak with its error against the peak
-measured on the H100. The full table with all
+decide what is saved and no kernel's scratch is counted), and gives the predicted unoptimized
+peak with its error against the peak measured on the H100. *Reduction scratch* is the staging
+buffer of a `sum` split across thread blocks (a bias gradient's, `kernel_scratch_bytes`). The full table with all
 rules on is [target_accuracy.md](target_accuracy.md)."""
 
 

@@ -329,7 +329,15 @@ ABOUT = """How to read it:
   peak (`mlp_gpu`: the real profile replays every-layer at 1,620 MiB against 1,492 measured),
   both are planned at the real profile's replay of every-layer instead, which the budget column
   shows. A segment is replayed as the run of the real profile's nodes between the first and the
-  last node joined to it (by structure: the k-th node of an op in a module)."""
+  last node joined to it (by structure: the k-th node of an op in a module).
+- `mlp_gpu`'s every layer: both profiles count the scratch of each bias gradient's sum (up to
+  132 MiB) in the backward of its linear. Autograd runs that sum after the linear's backward
+  function has returned, so under a checkpoint the H100 has freed the linear's recomputed input
+  by then. The fake profile marks that part of the backward peak
+  (`CostNode.backward_late_scratch_bytes`) and the simulator adds it after releasing the
+  recomputed saved tensors, so it replays every-layer at the 1,492 MiB measured; the H100's
+  measured profile has one temporary per node, replayed with the input still held, 128 MiB
+  (8.6 %) above ([tuning.md](../tuning.md#reduction_scratch))."""
 
 
 def main() -> None:

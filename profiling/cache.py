@@ -44,10 +44,11 @@ __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cach
 log = logging.getLogger(__name__)
 
 #: Bumped when the meaning of a profile changes without a change of its fields.
-CACHE_VERSION = 7  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction; 7: fake profiles for a GPU target save what CUDA's kernels save
-#: Versions :func:`load_profile` reads: their files have this version's fields (version 7 changed
-#: what a fake GPU profile holds, not the format), so saved profiles such as the H100 ones load.
-READABLE_CACHE_VERSIONS = (6, 7)
+CACHE_VERSION = 8  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction; 7: fake profiles for a GPU target save what CUDA's kernels save; 8: CostNode.backward_late_scratch_bytes, and fake GPU profiles count a reduction's scratch
+#: Versions :func:`load_profile` reads: their files have this version's fields but
+#: ``backward_late_scratch_bytes``, which reads as 0 (none known, the simulator's reading of a
+#: measured profile), so saved profiles such as the H100 ones load.
+READABLE_CACHE_VERSIONS = (6, 7, 8)
 
 
 def _schema() -> str:

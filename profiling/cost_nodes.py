@@ -80,10 +80,14 @@ def cost_nodes(
     table: StorageTable,
     forward_peaks: dict[str, int],
     backward_peaks: dict[str, int],
+    backward_late_scratch: dict[str, int] | None = None,
 ) -> tuple[CostNode, ...]:
     """One ``CostNode`` per node of ``gm`` but its output, from the interpreter's ``records``
     (:class:`profiling.interpreter.ProfilingInterpreter`) and the measured or estimated peaks
-    of each node's forward and backward (:mod:`profiling.temporaries`)."""
+    of each node's forward and backward (:mod:`profiling.temporaries`); ``backward_late_scratch``
+    is the part of each backward peak reached after the node's backward function returned
+    (:meth:`profiling.temporaries.FakeAllocationTracker.backward_late_scratch`; None: none known)."""
+    late = backward_late_scratch or {}
     nodes: list[CostNode] = []
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
@@ -128,6 +132,8 @@ def cost_nodes(
                 module=_module_of(n),
                 forward_peak_bytes=forward_peaks.get(n.name, 0) if kind == "compute" else 0,
                 backward_peak_bytes=backward_peaks.get(n.name, 0) if kind == "compute" else 0,
+                backward_late_scratch_bytes=min(late.get(n.name, 0), backward_peaks.get(n.name, 0))
+                if kind == "compute" else 0,
                 selective_save=kind == "compute" and _keepable(n, is_alias, rec),
                 after_last_save_fraction=rec["after_last_save_fraction"] if kind == "compute" else None,
                 after_last_save_time_fraction=rec.get("after_last_save_time_fraction") if kind == "compute" else None,

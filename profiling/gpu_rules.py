@@ -125,8 +125,8 @@ def reduction_scratch_bytes(shape: tuple[int, ...], strides: tuple[int, ...], di
     partial results in a global buffer of ``accumulator_bytes * outputs * ctas_per_output`` (times
     the block width and output vector width when outputs lie along the fastest dimension) and
     count finished blocks in an ``int`` semaphore per block column. Both are freed when the kernel
-    has been queued. A sum over the batch of a (batch, features) gradient, a bias gradient, stages
-    ``min(2, 132 MiB / gradient bytes)`` times the gradient's bytes on an H100 (float32).
+    has been queued. A sum over the batch of a (batch, features) float32 gradient, a bias
+    gradient, stages twice the gradient's bytes on an H100, up to about 132 MiB.
     Inputs over 2**31 elements, which CUDA splits into several launches, are taken as one.
 
     Example:
@@ -193,10 +193,10 @@ def reduction_scratch_bytes(shape: tuple[int, ...], strides: tuple[int, ...], di
 def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: str) -> int:
     """Bytes the CUDA kernel of aten op ``func`` takes from the caching allocator while it runs on
     GPU ``target`` and gives back before returning, beyond its outputs: the staging buffer of a
-    ``sum`` or ``mean`` split across thread blocks (:func:`reduction_scratch_bytes`; float32
-    accumulation below double precision); 0 for every other op. These bytes count in CUDA's
-    ``max_memory_allocated`` but belong to no tensor, so a fake-tensor profile sees them only from
-    here (:class:`profiling.temporaries.FakeAllocationTracker`).
+    ``sum`` or ``mean`` split across thread blocks (:func:`reduction_scratch_bytes`; floats below
+    double precision accumulate in float32, the rest in 8 bytes); 0 for every other op. These
+    bytes count in CUDA's ``max_memory_allocated`` but belong to no tensor, so a fake-tensor
+    profile sees them only from here (:class:`profiling.temporaries.FakeAllocationTracker`).
 
     Example:
         >>> g = torch.empty(4096, 768)
@@ -211,7 +211,7 @@ def kernel_scratch_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     if not isinstance(x, torch.Tensor) or x.numel() == 0 or x.is_complex():
         return 0
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    accumulator = 8 if x.dtype == torch.float64 else 4
+    accumulator = 4 if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else 8  # else double or int64
     return reduction_scratch_bytes(tuple(x.shape), tuple(x.stride()), dims, target, accumulator)
 
 

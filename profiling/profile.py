@@ -168,7 +168,8 @@ def profile_graph(
         del loss, output, flat_out
     if tracker is not None:
         roofline_times(gm, interp.records, target)
-        nodes = cost_nodes(gm, interp.records, table, tracker.forward_peaks(), tracker.backward_peaks())
+        nodes = cost_nodes(gm, interp.records, table, tracker.forward_peaks(), tracker.backward_peaks(),
+                           tracker.backward_late_scratch())
         step_ms = 3 * sum(n.time_ms for n in nodes)  # with no measured step, forward plus backward is three forwards
         measured_peak_bytes, timing = None, {}
     else:

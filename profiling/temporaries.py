@@ -143,7 +143,11 @@ class FakeAllocationTracker(TorchDispatchMode):
     ``kernel_scratch`` (``(func, args, kwargs) -> bytes``, None: none) names what the target
     device's kernel of an op takes and gives back before returning; profiling for a GPU sets it to
     :func:`profiling.gpu_rules.kernel_scratch_bytes` (a reduction's staging buffer), which counts on
-    top of the op's outputs at that op. On the CPU target it stays None.
+    top of the op's outputs at that op. On the CPU target it stays None. In a backward that
+    scratch is a broadcast gradient's reduction to its input's shape (a bias's), which autograd
+    runs on the outputs of the node's backward function after it has returned; what it adds
+    to a node's backward peak beyond the function's own high point is
+    :meth:`backward_late_scratch`.
 
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -168,6 +172,7 @@ class FakeAllocationTracker(TorchDispatchMode):
         self._sequence_start: dict[str, int] = {}
         self._sequences: list[tuple[int, int, str]] = []  # [start, end) sequence numbers per node
         self._backward: dict[int, tuple[int, int]] = {}  # autograd sequence number -> (first, end)
+        self._late: set[int] = set()  # indices into running of a backward op's kernel scratch
         self._open: tuple[str, int] | None = None
 
     def node_started(self, name: str) -> None:
@@ -214,6 +219,8 @@ class FakeAllocationTracker(TorchDispatchMode):
         scratch = self.kernel_scratch(func, args, kwargs or {}) if self.kernel_scratch is not None else 0
         if scratch:
             # taken by the kernel once its outputs exist, given back before the op returns
+            if node is not None:
+                self._late.add(len(self.running))
             self.running.append(self.live_bytes + scratch)
             self.running.append(self.live_bytes)
         if node is not None:
@@ -234,6 +241,27 @@ class FakeAllocationTracker(TorchDispatchMode):
 
     def backward_peaks(self) -> dict[str, int]:
         """Per node: the same for the autograd functions its forward created."""
+        return {name: self._peak(lo, hi) for name, (lo, hi) in self._backward_windows().items()}
+
+    def backward_late_scratch(self) -> dict[str, int]:
+        """Per node with some: how far kernel scratch in its backward raises :meth:`backward_peaks`
+        above the high point of the rest of its backward (``CostNode.backward_late_scratch_bytes``).
+
+        The scratch a backward op's kernel takes is a reduction of a gradient to a broadcast
+        input's shape, which autograd runs after the node's backward function has returned.
+        """
+        late: dict[str, int] = {}
+        for name, (lo, hi) in self._backward_windows().items():
+            rest = [i for i in range(lo, hi) if i not in self._late]
+            before = self.running[lo - 1] if lo > 0 else 0
+            early = max(0, max((self.running[i] for i in rest), default=before) - before)
+            if self._peak(lo, hi) > early:
+                late[name] = self._peak(lo, hi) - early
+        return late
+
+    def _backward_windows(self) -> dict[str, tuple[int, int]]:
+        """Per node: the (first, end) indices into ``running`` of the autograd functions its
+        forward created."""
         starts = sorted(self._sequences)
         keys = [s for s, _, _ in starts]
         windows: dict[str, tuple[int, int]] = {}
@@ -244,4 +272,4 @@ class FakeAllocationTracker(TorchDispatchMode):
             name = starts[i][2]
             a, b = windows.get(name, (lo, hi))
             windows[name] = (min(a, lo), max(b, hi))
-        return {name: self._peak(lo, hi) for name, (lo, hi) in windows.items()}
+        return windows

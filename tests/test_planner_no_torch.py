@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import subprocess
@@ -77,13 +78,27 @@ def test_simulate_temporaries_are_added_where_measured():
     assert simulate(bigger).peak_bytes == simulate(g).peak_bytes - simulate(g).peak_bytes + (1 + 1 + 10) * MIB
 
 
+def _with_late_scratch(g: CostGraph, seed: int) -> CostGraph:
+    """``g`` with backward temporaries on half its compute nodes, part of them taken after the
+    node's backward function returned (``backward_late_scratch_bytes``)."""
+    rng = random.Random(seed * 31 + 7)
+    nodes = []
+    for n in g.nodes:
+        if n.kind == "compute" and rng.random() < 0.5:
+            peak = n.output_bytes + rng.choice([1, 2, 4]) * MIB
+            n = dataclasses.replace(n, backward_peak_bytes=peak, backward_late_scratch_bytes=rng.choice([0, MIB, peak]))
+        nodes.append(n)
+    return dataclasses.replace(g, nodes=tuple(nodes))
+
+
+@pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_fits_budget_answers_as_the_full_replay_does(seed):
+def test_fits_budget_answers_as_the_full_replay_does(seed, late):
     # fits_budget stops its replay at the first moment above the budget; on every plan of
     # segments (kept outputs included) it must answer as the full replay's peak does, one byte
-    # on either side of that peak included
+    # on either side of that peak included; also where backward peaks end after the function
     rng = random.Random(seed)
-    g = random_dag(seed, 7)
+    g = _with_late_scratch(random_dag(seed, 7), seed) if late else random_dag(seed, 7)
     compute = [n.name for n in g.compute_nodes]
     plans = list(all_run_sets(len(compute)))
     for runs in rng.sample(plans, min(40, len(plans))):

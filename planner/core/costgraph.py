@@ -72,6 +72,13 @@ class CostNode:
         forward_peak_bytes: measured bytes the node's forward allocates at its high point,
             temporaries included (0 when unknown: the simulator then uses tensor sizes alone).
         backward_peak_bytes: the same for the node's backward.
+        backward_late_scratch_bytes: the part of ``backward_peak_bytes`` reached only after the
+            node's backward function has returned: CUDA's scratch for reducing a broadcast
+            gradient (a bias's) to its input's shape, which autograd runs on the function's
+            outputs. Outside a checkpoint the node's saved tensors are still held then; inside a
+            non-reentrant checkpoint the recomputed ones the function unpacked are already
+            released, so the simulator adds this part after releasing them. ``backward_peak_bytes``
+            minus it is the high point while the function runs. 0: none, or not known.
         selective_save: a selective checkpoint policy can keep this node's outputs from the
             forward instead of recomputing them (a function call that aliases no input, writes
             nothing in place and draws no random numbers); :mod:`planner.solvers.keep` decides which.
@@ -109,12 +116,16 @@ class CostNode:
     viewed_storages: tuple[int, ...] = ()
     after_last_save_fraction: float | None = None
     after_last_save_time_fraction: float | None = None
+    backward_late_scratch_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("after_last_save_fraction", "after_last_save_time_fraction"):
             value = getattr(self, field_name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"node {self.name!r}: {field_name} must be in [0, 1], got {value!r}")
+        if not 0 <= self.backward_late_scratch_bytes <= max(0, self.backward_peak_bytes):
+            raise ValueError(f"node {self.name!r}: backward_late_scratch_bytes must be in [0, backward_peak_bytes], "
+                             f"got {self.backward_late_scratch_bytes!r}")
         if self.kind not in NODE_KINDS:
             raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
 

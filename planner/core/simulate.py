@@ -13,7 +13,10 @@ The replay follows the mechanics of eager autograd with non-reentrant
   saved tensor recomputes the segment (up to its last saving node) into fresh storages.
 * temporaries: where the profile measured that a node's forward or backward allocates more
   at its high point (``forward_peak_bytes``, ``backward_peak_bytes``) than the tensors the
-  replay accounts for, the difference is added at that node.
+  replay accounts for, the difference is added at that node. The part of a backward peak
+  reached after the node's backward function has returned (``backward_late_scratch_bytes``, a
+  bias gradient's reduction on CUDA) comes, in a recomputed segment, after the node's recomputed
+  saved tensors are released: the function unpacked them, and they die with it.
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -280,6 +283,7 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
             _recompute(graph, seg_indices[s], seg_inputs[s], cached[s], persistent, mem)
             for k in cache_views[s]:
                 mem.release(k)
+        late = 0
         if runs_backward:
             transient = 0
             new_bytes = 0
@@ -298,17 +302,30 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
                     mem.hold(key)
                     new_bytes += size
                     grads_made = True
-            mem.observe("backward", node.name, max(transient, node.backward_peak_bytes - new_bytes))
+            late = node.backward_late_scratch_bytes if s in recomputed else 0
+            mem.observe("backward", node.name, max(transient, node.backward_peak_bytes - late - new_bytes))
+            if late:
+                # the function has returned: what it unpacked of the recompute is gone before
+                # autograd reduces its outputs, so the late scratch comes on top of less
+                _release_saved(facts.saved[i], s, recomputed, cached, mem)
+                mem.observe("backward", node.name, max(0, node.backward_peak_bytes - new_bytes))
             mem.release(own)
-        for k in facts.saved[i]:
-            if s is None:
-                mem.release(k)
-            elif s in recomputed:  # before its recompute, a segment's nodes hold nothing they saved
-                mem.release(k if k in cached[s] else ("recomputed", k))
+        if not late:
+            _release_saved(facts.saved[i], s, recomputed, cached, mem)
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
                 mem.release(k)
             mem.free(("segment_state", s))
+
+
+def _release_saved(saved: Iterable[int], s: int | None, recomputed: set[int], cached: list[set[int]],
+                   mem: _Memory) -> None:
+    """Drop a node's hold on what it saved for backward, once its backward is done."""
+    for k in saved:
+        if s is None:
+            mem.release(k)
+        elif s in recomputed:  # before its recompute, a segment's nodes hold nothing they saved
+            mem.release(k if k in cached[s] else ("recomputed", k))
 
 
 def _recompute(
