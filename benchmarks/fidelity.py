@@ -171,7 +171,7 @@ def _every_layer_cell(row: dict[str, Any]) -> str:
             f"{row['every_layer_plan_measured_bytes'] / MIB:.1f} MiB{met} | {row['every_layer_plan_error_pct']:+.2f}% |")
 
 
-def xl_row(batch: int = 1, seq_len: int = 4096, budget_gb: float = 80e9 / GIB, target: str = "h100") -> dict[str, Any]:
+def xl_row(batch: int = 2, seq_len: int = 4096, budget_gb: float = 80e9 / GIB, target: str = "h100") -> dict[str, Any]:
     """Plan a GPT-2-XL-sized model (meta device, fake tensors) for a GPU budget; nothing allocated.
 
     ``max_rss_mib`` is the process's resident high-water mark afterwards: run it first."""
