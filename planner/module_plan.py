@@ -52,7 +52,7 @@ def _budget_for(peak_bytes: int, options: PlanOptions) -> int:
 
 
 def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                 timing_repeats: int = 3) -> Any:
+                 timing_repeats: int = 2) -> Any:
     """Plan ``model`` at module granularity for ``budget_gb`` and return the checkpointed module
     (:class:`rewrite.module_checkpoint.ModuleCheckpointedModule`) whose measured step peak is
     within the budget.

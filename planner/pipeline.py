@@ -109,7 +109,7 @@ class CaptureOptions:
     """How ``optimize`` captures and profiles the model (its docstring says what each does)."""
 
     trace_method: str = "export"
-    timing_repeats: int = 3
+    timing_repeats: int = 2
     cache_dir: str | None = None
     progress: bool = False
     simplify_attention_masks: bool = False
@@ -133,7 +133,7 @@ def optimize(
     max_stages: int = 32,
     solver: str | None = None,
     time_limit_s: float = 60.0,
-    timing_repeats: int = 3,
+    timing_repeats: int = 2,
     safety_margin: float = 0.01,
     selective: bool = False,
     world_size: int = 1,
@@ -162,8 +162,9 @@ def optimize(
             programming over the stage chain, the rest (selective plans, the smallest peak) by
             the best installed MILP solver; ``"HiGHS"`` or ``"CBC"``: that MILP solver for all.
         time_limit_s: solver time limit per ILP solve (a plan takes several).
-        timing_repeats: warm training steps each node is timed in (after one untimed step);
-            the median is used (:mod:`profiling.node_times`).
+        timing_repeats: warm training steps each node is timed in, more while they disagree
+            (after the step that measures temporaries); the median is used, twin ops of
+            other layers pooled (:mod:`profiling.node_times`; docs/tuning.md says why 2).
         safety_margin: fraction of the budget kept free for what the memory model does not see
             (allocator rounding, small temporaries); the plan's predicted peak stays below
             ``budget * (1 - safety_margin)``.

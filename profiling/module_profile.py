@@ -230,7 +230,7 @@ def choose_units(model: torch.nn.Module, calls: list[ModuleCall]) -> tuple[Modul
                  for i in chosen)
 
 
-def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 3) -> ModuleProfile:
+def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2) -> ModuleProfile:
     """Run ``timing_repeats`` + 1 training steps of ``model`` with module and saved-tensor hooks,
     without side effects (RNG, buffers, ``.grad`` restored); the first records the call tree and
     storages, all of them each unit's forward time (median).

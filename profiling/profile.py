@@ -99,7 +99,7 @@ def profile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Any,
     *,
-    timing_repeats: int = 3,
+    timing_repeats: int = 2,
     measure_peak: bool = True,
     step_repeats: int = 3,
     fake: bool = False,
