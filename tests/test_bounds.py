@@ -110,3 +110,71 @@ def test_bad_arguments_say_what_to_pass(kwargs, message):
     args = {"budget_bytes": 10**6, **kwargs}
     with pytest.raises(InputError, match=message):
         covering_bound(random_dag(0, 4), args.pop("budget_bytes"), **args)
+
+
+@pytest.mark.parametrize("objective", ["time", "flops"])
+def test_segments_only_never_above_the_cheapest_plan_of_whole_segments(objective):
+    """``kept_outputs=False`` holds every transient a recomputed node reads from outside its
+    segment through the backward: never above the cheapest plan of whole segments (brute
+    force), never below the bound over every plan, and strictly above it on some budgets."""
+    column = 1 if objective == "time" else 2
+    checked = tighter = 0
+    for seed in range(24):
+        g = random_dag(seed, 5 + seed % 3)
+        plans = every_plan(g, kept_outputs=False)
+        unoptimized = simulate(g).peak_bytes
+        for budget in sorted({peak for peak, _, _ in plans if peak < unoptimized}):
+            bound = covering_bound(g, budget, objective=objective, kept_outputs=False).value
+            best = min(plan[column] for plan in plans if plan[0] <= budget)
+            assert bound <= best + 1e-6 * max(1.0, best), (seed, budget, bound, best)
+            general = covering_bound(g, budget, objective=objective).value
+            assert bound >= general - 1e-6 * max(1.0, general), (seed, budget, bound, general)
+            checked += 1
+            tighter += bound > general + 1e-6 * max(1.0, general)
+    assert checked > 40 and tighter > 0, (checked, tighter)
+
+
+def _residual(lin_keepable: bool) -> CostGraph:
+    """x -> lin (slow, saves only its input) -> o (nothing saves it) -> add (x + o, cheap,
+    saves nothing) -> h (saved by norm) -> norm -> u (saved by head) -> head, whose backward
+    has a 4 MiB temporary: the peak. Like a residual add after a transformer's output
+    projection."""
+    sizes = {0: MIB, 1: 4 * MIB, 2: 4 * MIB, 3: MIB, 4: MIB}
+    spec = [("lin", ("x",), 1, (0,), 10.0, 0), ("add", ("lin", "x"), 2, (), 0.1, 0),
+            ("norm", ("add",), 3, (2,), 0.1, 0), ("head", ("norm",), 4, (3,), 1.0, 4 * MIB)]
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    for name, inputs, key, saved, ms, backward_peak in spec:
+        nodes.append(CostNode(name, "op", input_names=inputs, output_storages=(key,), saved_storages=saved,
+                              output_bytes=sizes[key], requires_grad=True, time_ms=ms,
+                              backward_peak_bytes=backward_peak, selective_save=lin_keepable and name == "lin"))
+    return CostGraph(tuple(nodes), tuple(Storage(k, size, k == 0) for k, size in sizes.items()), ("head",))
+
+
+def test_a_segment_holds_the_transients_it_reads_through_the_backward():
+    """1 MiB to free at head's backward. Rerunning add alone frees h (4 MiB) for 0.1 ms, but
+    its segment then holds lin's output o (4 MiB) as an input until its backward, so nothing
+    is gained there: every plan that fits reruns lin too (10.1 ms, brute force). The bound
+    finds those 10.1 ms. Where lin may be kept by a selective policy, keeping it would release
+    o at its segment's recompute, which the covering bound cannot place: it falls back to the
+    0.1 ms that ignores the hold, though no kept plan does better either."""
+    budget = 11 * MIB
+    for keepable in (False, True):
+        g = _residual(keepable)
+        assert simulate(g).peak_bytes == 12 * MIB
+        best = min(ms for peak, ms, _ in every_plan(g) if peak <= budget)
+        assert best == pytest.approx(10.1)
+        assert covering_bound(g, budget, kept_outputs=False).value == pytest.approx(best)
+        general = covering_bound(g, budget).value
+        assert general == pytest.approx(0.1 if keepable else best)
+
+
+@pytest.mark.parametrize("policy_ms, expected_ms", [(0.0, 0.1), (1.0, 4.1), (5.0, 10.1)])
+def test_a_kept_maker_releases_its_transient_only_at_the_policys_price(policy_ms, expected_ms):
+    """In the residual graph with lin keepable, keeping lin releases o in the backward only at
+    the recompute of a segment that reaches head (the moment's recompute), so the selective
+    policy runs on all four nodes: 0.1 ms for add plus 4 nodes at the policy's cost, or rerun
+    lin (10.1 ms). Every plan that fits needs 10.1 ms (brute force, the policy priced)."""
+    g = dataclasses.replace(_residual(True), selective_overhead_ms_per_node=policy_ms)
+    best = min(ms for peak, ms, _ in every_plan(g) if peak <= 11 * MIB)
+    assert best == pytest.approx(10.1)
+    assert covering_bound(g, 11 * MIB).value == pytest.approx(expected_ms)

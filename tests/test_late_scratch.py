@@ -83,3 +83,19 @@ def test_the_field_is_saved_and_a_profile_without_it_reads_as_none(tmp_path):
         del node["backward_late_scratch_bytes"]
     path.write_text(json.dumps({**payload, "cache_version": min(READABLE_CACHE_VERSIONS)}))
     assert load_profile(path).node("b").backward_late_scratch_bytes == 0
+
+
+@pytest.mark.parametrize("bound_name", ["covering_bound", "segment_covering_bound"])
+def test_the_lower_bounds_stay_below_a_plan_that_uses_the_late_release(bound_name):
+    # at 18 MiB only recomputing a and b fits (their recompute releases a before the scratch);
+    # a bound that held b's saved input at the late moment would call the budget infeasible
+    import importlib
+
+    module = "planner.bounds.covering" if bound_name == "covering_bound" else "planner.bounds.segment_covering"
+    bound = getattr(importlib.import_module(module), bound_name)
+    g = _linear_between(8)
+    budget = simulate(g, [("a", "b")]).peak_bytes
+    assert budget < simulate(g).peak_bytes
+    result = bound(g, budget)
+    assert result.value < float("inf")
+    assert result.value <= sum(g.node(name).time_ms for name in ("a", "b")) + 1e-9

@@ -101,10 +101,10 @@ def test_bad_arguments_say_what_to_pass(kwargs, message):
 @pytest.mark.slow
 def test_on_llama_at_every_layers_peak_it_proves_more_than_the_covering_bound():
     """A stored 4-layer Llama profile at checkpoint-every-layer's measured peak: every-layer's
-    own plan fits there; the covering bound proves half its recompute, the segment covering
-    bound over plans of whole segments over 65 % of it already by its LP relaxation (CBC,
-    deterministic; HiGHS proves 74 % in 120 s), so no plan of whole segments meets the 60 %
-    quality bar by the profile's account; with kept outputs over 55 % (58 %)."""
+    own plan fits there; the covering bound proves under 60 % of its recompute (57 %), the
+    segment covering bound over plans of whole segments over 65 % of it already by its LP
+    relaxation (CBC, deterministic), so no plan of whole segments meets the 60 % quality bar by
+    the profile's account; with kept outputs more than the covering bound."""
     from planner.core.costgraph import protect_reads_before_writes
     from profiling.cache import load_profile
 
@@ -120,8 +120,8 @@ def test_on_llama_at_every_layers_peak_it_proves_more_than_the_covering_bound():
     cheap = covering_bound(g, budget).value
     relaxed = segment_covering_bound(g, budget, kept_outputs=False, solver="CBC")
     assert relaxed.method.endswith("LP relaxation (CBC)")
-    assert cheap < 0.55 * every_ms
+    assert cheap < 0.6 * every_ms
     assert 0.65 * every_ms < relaxed.value <= every_ms
     # with kept outputs (a larger choice, so a lower bound) it still proves more than the covering bound
     kept = segment_covering_bound(g, budget, kept_outputs=True, solver="CBC").value
-    assert 0.55 * every_ms < kept <= relaxed.value
+    assert cheap < kept <= relaxed.value

@@ -13,7 +13,14 @@ live only in two ways, whatever its segments and kept outputs:
 * **Transient inputs it holds longer.** A storage nothing saves is freed after its last reader
   in the unoptimized step. If a node reading it runs again in a recompute while the node that
   made it does not, the plan must hold it from the forward until that recompute: it is live
-  at every forward moment after its last reader (a segment input, or a kept output).
+  at every forward moment after its last reader (a segment input, or a kept output). In the
+  backward, a segment input stays until the backward of its segment's first node, so it is
+  live at the backward of every node from the reader on; a kept output is released by its
+  segment's recompute, which comes first only where the segment reaches that moment's
+  recompute and pays the selective policy on every node up to it
+  (:mod:`planner.bounds.backward_holds`). At checkpoint-every-layer's peak on the H100
+  profiles (the loss's backward) this hold is most of what the bound would otherwise count as
+  free: a residual add rerun without the projection before it (docs/benchmarks/bound_gap.md).
 
 So with a binary ``x[n]`` for "node ``n`` runs again", every plan that fits satisfies, at each
 moment where the unoptimized step exceeds the budget::
@@ -25,9 +32,12 @@ on ``n`` at the least (all of it, or the share before its last save when it can 
 segment; :mod:`planner.core.rerun`). The least cost over these covering constraints, proven by
 HiGHS (its dual bound) or, with CBC, by the LP relaxation, is a lower bound on the recompute
 of every plan, kept outputs included, by the plan's own account (the simulator's memory and
-the profile's costs). It is far cheaper than :mod:`planner.bounds.reach` (one binary per node, no
-segment structure): milliseconds to a second on the quality models. Because it ignores the
-memory a recompute itself adds in the backward, it can stay below the cheapest plan.
+the profile's costs); ``kept_outputs=False`` bounds plans of whole segments, where every such
+transient is held. It is far cheaper than :mod:`planner.bounds.reach` (one binary per node and
+per node a selective policy may span, no segment breaks): milliseconds to a second on the
+quality models for whole segments; with kept outputs up to its time limit on the largest
+H100 profiles. Because it ignores the memory a recompute itself adds in the backward, and
+that a segment reruns every node up to its last save, it can stay below the cheapest plan.
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -53,6 +63,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from planner.bounds.backward_holds import BackwardHolds
 from planner.core.costgraph import MIB, CostGraph, CostNode
 from planner.core.errors import InputError
 from planner.milp.highs import HighsOverrunError, PlannerHiGHS
@@ -60,8 +71,8 @@ from planner.solvers.stage_ilp import MIP_GAP, available_solvers, solved_lp_rela
 from planner.core.rerun import after_last_save_fraction, after_last_save_time_fraction
 from planner.core.simulate import SimulationResult, simulate
 
-__all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "least_rerun_cost",
-           "lp_relaxation_bound", "milp_dual_bound", "proven_bound", "recompute_lower_bound_ms",
+__all__ = ["LowerBound", "StorageUses", "check_bound_arguments", "covering_bound", "highs_lp_bound", "moments_over",
+           "least_rerun_cost", "lp_relaxation_bound", "milp_dual_bound", "proven_bound", "recompute_lower_bound_ms",
            "settled_without_solving"]
 
 log = logging.getLogger(__name__)
@@ -71,11 +82,13 @@ OBJECTIVES = ("time", "flops")
 
 @dataclass(frozen=True)
 class LowerBound:
-    """A proven lower bound: ``value`` (ms or FLOPs; ``inf`` when no plan fits by the account)
-    and how it was proven."""
+    """A proven lower bound: ``value`` (ms or FLOPs; ``inf`` when no plan fits by the account),
+    how it was proven, and the nodes the solver's best solution reruns (empty when it has
+    none, as after an LP relaxation)."""
 
     value: float
     method: str
+    reruns: tuple[str, ...] = ()
 
 
 def milp_dual_bound(prob: pulp.LpProblem, time_limit_s: float, presolve: bool = True,
@@ -108,6 +121,31 @@ def lp_relaxation_bound(prob: pulp.LpProblem, time_limit_s: float) -> tuple[floa
     if relaxed.status != pulp.LpStatusOptimal:
         return 0.0, False, f"LP relaxation not solved (CBC: {pulp.LpStatus[relaxed.status]})"
     return max(0.0, float(pulp.value(relaxed.objective) or 0.0)), False, "LP relaxation (CBC)"
+
+
+def moments_over(graph: CostGraph, unoptimized: SimulationResult, budget_bytes: int,
+                 max_moments: int) -> list[tuple[str, str, int]]:
+    """The unoptimized replay's moments above ``budget_bytes``, highest first, ``max_moments``
+    at most, each backward moment without its node's late scratch
+    (``CostNode.backward_late_scratch_bytes``): a plan that recomputes the node releases the
+    node's saved tensors before taking it (:mod:`planner.core.simulate`), which a moment's rule
+    (a backward keeps what it reads) cannot express, so only the part before it is a demand
+    every plan meets.
+
+    Example:
+        >>> from planner.core.costgraph import CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+        ...                CostNode("a", "op", input_names=("x",), output_storages=(1,), saved_storages=(0,),
+        ...                         output_bytes=MIB, requires_grad=True, backward_peak_bytes=3 * MIB,
+        ...                         backward_late_scratch_bytes=2 * MIB)),
+        ...               (Storage(0, MIB, True), Storage(1, MIB)), output_names=("a",))
+        >>> [(phase, name, live // MIB) for phase, name, live in moments_over(g, simulate(g), 0, 8)]
+        [('backward', 'a', 3), ('forward', 'a', 2), ('forward', 'x', 1)]
+    """
+    late = {n.name: n.backward_late_scratch_bytes for n in graph.compute_nodes if n.backward_late_scratch_bytes}
+    moments = [(phase, name, live - late.get(name, 0) if phase == "backward" else live)
+               for phase, name, live in unoptimized.timeline]
+    return sorted((m for m in moments if m[2] > budget_bytes), key=lambda m: -m[2])[:max_moments]
 
 
 def settled_without_solving(graph: CostGraph, budget_bytes: int) -> tuple[SimulationResult, LowerBound | None]:
@@ -228,23 +266,31 @@ class _CoveringModel:
     """The covering ILP of the module docstring for one graph and budget."""
 
     def __init__(self, graph: CostGraph, unoptimized: SimulationResult, budget_bytes: int, objective: str,
-                 max_moments: int) -> None:
+                 max_moments: int, kept_outputs: bool = True, released: bool = False) -> None:
         uses = StorageUses(graph)
         position = uses.position
         self.inputs_of = uses.inputs_of
         self.prob = pulp.LpProblem("recompute_lower_bound", pulp.LpMinimize)
         self.x = {name: self.prob.add_variable(f"rerun_{i}", cat=pulp.LpBinary)
                   for i, name in enumerate(sorted(uses.rerunnable))}
-        self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
-                                          for name, v in self.x.items()))
         # saved storages a plan can free: (first saver's position, maker, MiB, storage, savers)
         self.freeable = uses.freeable
         # transients a rerun reader makes the plan hold: (last use, held variable, MiB)
         self.transients = uses.add_transients(self.prob, self.x)
         #: a moment where nothing can be freed and the budget is exceeded: no plan fits
         self.infeasible = False
-        moments = [m for m in unoptimized.timeline if m[2] > budget_bytes]
-        self.moments = sorted(moments, key=lambda m: -m[2])[:max_moments]
+        self.moments = moments_over(graph, unoptimized, budget_bytes, max_moments)
+        # a kept maker can release a transient before the backward moments that read it;
+        # ``released`` lets every maker do so for free
+        may_keep = frozenset(n.name for n in graph.compute_nodes if n.selective_save or released) \
+            if kept_outputs else frozenset()
+        self.holds = BackwardHolds(
+            graph, uses, self.prob, self.x, may_keep=may_keep,
+            policy_ms_per_node=graph.selective_overhead_ms_per_node if objective == "time" and not released else 0.0,
+            backward_positions=[position[name] for phase, name, _ in self.moments if phase == "backward"],
+            runs_backward={name for phase, name, _ in unoptimized.timeline if phase == "backward"})
+        self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
+                                          for name, v in self.x.items()) + self.holds.spread_cost)
         for c, (phase, name, live) in enumerate(self.moments):
             self._add_moment(c, phase, name, position[name], (live - budget_bytes) / MIB)
 
@@ -261,7 +307,10 @@ class _CoveringModel:
         if not freed:
             self.infeasible = True
             return
-        held = [mib * v for last, v, mib in self.transients if phase == "forward" and last < here]
+        if phase == "forward":
+            held = [mib * v for last, v, mib in self.transients if last < here]
+        else:
+            held = self.holds.held_mib(here)
         self.prob += (pulp.lpSum(mib * self.x[m] for m, mib in freed.items()) - pulp.lpSum(held) >= excess_mib,
                       f"moment_{c}_{phase}_{name}")
 
@@ -271,6 +320,7 @@ def covering_bound(
     budget_bytes: int,
     *,
     objective: str = "time",
+    kept_outputs: bool = True,
     max_moments: int = 256,
     time_limit_s: float = 30.0,
     solver: str | None = None,
@@ -279,7 +329,12 @@ def covering_bound(
     covering ILP of the module docstring over the ``max_moments`` fullest moments of the
     unoptimized step (fewer moments can only lower it): HiGHS's dual bound after at most
     ``time_limit_s`` (where installed, unless ``solver="CBC"``; see :func:`proven_bound`), else the
-    LP relaxation. ``inf`` when no plan fits by this account, 0 when the unoptimized step fits.
+    LP relaxation. Where HiGHS stops before closing the gap, the larger of that, its LP
+    relaxation by HiGHS (:func:`highs_lp_bound`) and, with kept outputs, the same model without
+    backward holds (each within ``time_limit_s`` more). ``inf`` when no plan fits by this
+    account, 0 when the unoptimized step fits. ``kept_outputs=False`` bounds plans of whole
+    segments only, where every transient a recomputed node reads from outside its segment
+    stays held through the backward.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -297,13 +352,48 @@ def covering_bound(
     unoptimized, settled = settled_without_solving(graph, budget_bytes)
     if settled is not None:
         return settled
-    model = _CoveringModel(graph, unoptimized, budget_bytes, objective, max_moments)
+    model = _CoveringModel(graph, unoptimized, budget_bytes, objective, max_moments, kept_outputs)
     if model.infeasible:
         return LowerBound(math.inf, "nothing freeable at a moment over the budget")
     value, method = proven_bound(model.prob, time_limit_s, solver)
-    log.info("covering bound (%s): %s over %d moments, %d nodes, %d transients, %.2f s", objective, value,
+    reruns = tuple(name for name, v in model.x.items() if v.value() is not None and v.value() > 0.5)
+    if solver != "CBC" and "within the" not in method and "HiGHS" in available_solvers():
+        # HiGHS can stall before its root bound on the larger models with kept outputs, whose
+        # LP relaxation it solves in seconds; and the model without backward holds bounds every
+        # plan too, closing in a fraction of the time
+        relaxed = highs_lp_bound(model.prob, time_limit_s)
+        if relaxed > value:
+            value, method = relaxed, "LP relaxation (HiGHS)"
+        if kept_outputs:
+            simple = _CoveringModel(graph, unoptimized, budget_bytes, objective, max_moments, released=True)
+            simple_value, simple_method = proven_bound(simple.prob, time_limit_s, solver)
+            if simple_value > value:
+                value, method = simple_value, f"{simple_method}, transients released"
+    log.info("covering bound (%s%s): %s over %d moments, %d nodes, %d transients, %.2f s", objective,
+             "" if kept_outputs else ", segments only", value,
              len(model.moments), len(model.x), len(model.transients), time.perf_counter() - started)
-    return LowerBound(value, f"covering ILP: {method}")
+    return LowerBound(value, f"covering ILP{'' if kept_outputs else ', segments only'}: {method}", reruns)
+
+
+def highs_lp_bound(prob: pulp.LpProblem, time_limit_s: float) -> float:
+    """The optimum of ``prob``'s LP relaxation (a minimisation) by HiGHS, a lower bound on its
+    optimum; 0 when HiGHS does not solve it within ``time_limit_s``.
+
+    Example:
+        >>> prob = pulp.LpProblem("cover", pulp.LpMinimize)
+        >>> x, y = (prob.add_variable(name, cat=pulp.LpBinary) for name in "xy")
+        >>> prob += 2 * x + 3 * y
+        >>> prob += x + y >= 1.5, "cover"
+        >>> highs_lp_bound(prob, 10.0)  # x = 1, y = 0.5; the integer optimum is 5
+        3.5
+    """
+    try:
+        prob.solve(PlannerHiGHS(msg=False, mip=False, timeLimit=time_limit_s, threads=1))
+    except HighsOverrunError:
+        return 0.0
+    if prob.status != pulp.LpStatusOptimal:
+        return 0.0
+    return max(0.0, float(pulp.value(prob.objective) or 0.0))
 
 
 def recompute_lower_bound_ms(graph: CostGraph, budget_bytes: int, *, max_moments: int = 256,

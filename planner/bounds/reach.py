@@ -143,6 +143,7 @@ def recompute_bound(
     if simulate(graph).peak_bytes <= budget_bytes:
         return RecomputeBound(objective, budget_bytes, 0.0, 0.0, "nothing to free", False, 0.0, kept_outputs)
     covering = covering_bound(graph, budget_bytes, objective=objective, solver=solver,
+                              kept_outputs=kept_outputs or not with_account,
                               time_limit_s=min(time_limit_s, COVERING_TIME_LIMIT_S))
     if math.isinf(covering.value):
         return RecomputeBound(objective, budget_bytes, math.inf, None, covering.method, True,

@@ -21,7 +21,10 @@ more rules, and this bound adds them with a binary ``brk[k]`` for "compute nodes
   end of its backward: a storage read by a rerun node beyond a break after its maker is live
   through the forward and, in the backward, until that reader's.
 
-In the forward a storage also stays until its last reader there. Every plan satisfies all of
+In the forward a storage also stays until its last reader there. A transient (nothing saves
+it) read by a rerun node whose maker does not rerun is held in the backward as the covering
+bound holds it (:mod:`planner.bounds.backward_holds`), the selective policy charged once per
+node a keeping segment covers. Every plan satisfies all of
 these, kept outputs included (``kept_outputs=False`` bounds plans of whole segments only, which
 is what the planner emits by default), so the least cost under them, proven by HiGHS (its dual
 bound, valid at its time limit too) or by the LP relaxation with CBC, is a lower bound, never
@@ -55,16 +58,20 @@ import time
 
 import pulp
 
+from planner.bounds.backward_holds import BackwardHolds
 from planner.bounds.covering import (
     MIB,
     LowerBound,
     StorageUses,
     check_bound_arguments,
+    highs_lp_bound,
     least_rerun_cost,
+    moments_over,
     proven_bound,
     settled_without_solving,
 )
 from planner.core.costgraph import CostGraph, CostNode
+from planner.solvers.stage_ilp import available_solvers
 from planner.core.simulate import SimulationResult
 
 __all__ = ["segment_covering_bound"]
@@ -99,9 +106,6 @@ class _SegmentCoveringModel:
         for name, kept in self.kept.items():
             self.prob += kept + self.x[name] <= 1, f"kept_{self.rank[name]}_is_not_rerun"
         policy_ms = graph.selective_overhead_ms_per_node if objective == "time" else 0.0
-        self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
-                                          for name, v in self.x.items())
-                               + pulp.lpSum(policy_ms * kept for kept in self.kept.values()))
         self.brk = [self.prob.add_variable(f"break_after_{k}", cat=pulp.LpBinary) for k in range(len(compute) - 1)]
 
         #: per freeable storage: dropped in the forward; contiguous from its maker to each saver
@@ -112,11 +116,22 @@ class _SegmentCoveringModel:
         for _, maker, _, k, savers in uses.freeable:
             self._add_storage(compute, k, maker, savers)
         self.transients = uses.add_transients(self.prob, self.x, self.kept)
+        self.moments = moments_over(graph, unoptimized, budget_bytes, max_moments)
+        # a kept maker releases a transient only where its selective segment reaches the
+        # moment's recompute; the policy's cost is charged once per node such a segment covers
+        self.holds = BackwardHolds(
+            graph, uses, self.prob, self.x, kept=None if policy_ms > 0 else self.kept,
+            may_keep=frozenset(self.kept), policy_ms_per_node=policy_ms,
+            backward_positions=[uses.position[name] for phase, name, _ in self.moments if phase == "backward"],
+            runs_backward=runs_backward)
+        for name, kept in self.kept.items():
+            if policy_ms > 0:
+                self.prob += kept <= self.holds.spread_at(self.rank[name]), f"kept_{self.rank[name]}_runs_the_policy"
+        self.prob.setObjective(pulp.lpSum(least_rerun_cost(graph, graph.node(name), objective) * v
+                                          for name, v in self.x.items()) + self.holds.spread_cost)
 
         self.infeasible = False
         self.gone_variables = 0
-        moments = [m for m in unoptimized.timeline if m[2] > budget_bytes]
-        self.moments = sorted(moments, key=lambda m: -m[2])[:max_moments]
         for c, (phase, name, live) in enumerate(self.moments):
             self._add_moment(c, phase, name, (live - budget_bytes) / MIB)
             if self.infeasible:
@@ -191,7 +206,10 @@ class _SegmentCoveringModel:
         if not terms:
             self.infeasible = True
             return
-        held = [mib * v for last, v, mib in self.transients if phase == "forward" and last < here]
+        if phase == "forward":
+            held = [mib * v for last, v, mib in self.transients if last < here]
+        else:
+            held = self.holds.held_mib(here)
         self.prob += pulp.lpSum(terms) - pulp.lpSum(held) >= excess_mib, f"moment_{c}_{phase}_{name}"
 
 
@@ -209,8 +227,9 @@ def segment_covering_bound(
     MILP of the module docstring over the ``max_moments`` fullest moments of the unoptimized
     step (fewer moments can only lower it): HiGHS's dual bound after at most ``time_limit_s``
     (where installed, unless ``solver="CBC"``), else, or when HiGHS stops before proving any,
-    the LP relaxation (CBC: about 7 s on a 4-layer Llama). ``kept_outputs=False``
-    bounds plans of whole segments only. ``inf`` when no plan fits by this account, 0 when the
+    the LP relaxation (CBC: about 7 s on a 4-layer Llama); where HiGHS stops before closing
+    the gap, the larger of that and the LP relaxation by HiGHS (within ``time_limit_s`` more).
+    ``kept_outputs=False`` bounds plans of whole segments only. ``inf`` when no plan fits by this account, 0 when the
     unoptimized step fits.
 
     Example:
@@ -233,6 +252,12 @@ def segment_covering_bound(
     if model.infeasible:
         return LowerBound(math.inf, "nothing freeable at a moment over the budget")
     value, method = proven_bound(model.prob, time_limit_s, solver)
+    if solver != "CBC" and "within the" not in method and "HiGHS" in available_solvers():
+        # HiGHS's root can take longer than its time limit where its LP relaxation alone
+        # takes about a minute (T5 on an H100, 754 compute nodes) and proves more
+        relaxed = highs_lp_bound(model.prob, time_limit_s)
+        if relaxed > value:
+            value, method = relaxed, "LP relaxation (HiGHS)"
     log.info("segment covering bound (%s%s): %s over %d moments, %d nodes, %d storage-moment variables, %.1f s",
              objective, "" if kept_outputs else ", segments only", value, len(model.moments), len(model.x),
              model.gone_variables, time.perf_counter() - started)
