@@ -489,7 +489,7 @@ def without_block_starts(monkeypatch):
     """The finer rounds alone: the MLP-block graphs below repeat, so the hand-placed candidates
     and the per-block start (on the blocks their structure shows) would find the cuts the
     rounds are tested for."""
-    monkeypatch.setattr(solve_module, "hand_placed_plans", lambda graph: [])
+    monkeypatch.setattr(solve_module, "hand_placed_candidate", lambda *args: None)
     monkeypatch.setattr(solve_module, "repeated_blocks", lambda graph: [])
 
 

@@ -21,7 +21,10 @@ labels past the segment carry which options they kept.
 The labels are numpy arrays per (stage, held groups). Every label no other dominates is kept,
 so the result is the account's optimum. Their number is what the search costs: about a
 million (0.6 s) on a 24-layer GPT-2 on 491 stages, ten million (6 s) on a 94-layer one on
-1,024 stages; past ``max_labels`` it stops with :class:`ChainSearchTooLarge`.
+1,024 stages; past ``max_labels`` it stops with :class:`ChainSearchTooLarge`. The room a
+label needs for each segment from a stage comes from :mod:`planner.solvers.chain_rooms`, for all
+of them at once, and the labels reaching a (stage, held groups) are pruned as they arrive
+(:mod:`planner.solvers.chain_labels`).
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -52,6 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.core.errors import PlannerError
+from planner.solvers.chain_labels import Inbox, pruned as _pruned
+from planner.solvers.chain_rooms import SegmentRooms
 from planner.solvers.stage_model import StageModel, holder_groups
 
 __all__ = ["ChainPlan", "ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_plan", "cheapest_segments"]
@@ -154,28 +159,6 @@ class _KeepCodes:
         return out
 
 
-def _pruned(stored: np.ndarray, cost: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The labels no other beats on both stored MiB and cost, by stored MiB (``rest``: arrays
-    that go with them)."""
-    # Sorted by (stored, cost, position), each label kept if cheaper than all before it. The
-    # labels arrive as a few runs already sorted by stored MiB, which a stable sort on that key
-    # alone merges fast (2 to 3 times faster than a two-key sort on a million labels); of equal
-    # stored MiB only the first cheapest can be kept, so it stands for its run.
-    order = np.argsort(stored, kind="stable")
-    if len(order) > 1:
-        by_stored, by_cost = stored[order], cost[order]
-        starts = np.flatnonzero(np.concatenate(([True], by_stored[1:] != by_stored[:-1])))
-        if len(starts) < len(order):
-            run_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(order))))
-            at_min = np.flatnonzero(by_cost == np.minimum.reduceat(by_cost, starts)[run_of])
-            order = order[at_min[np.concatenate(([True], run_of[at_min][1:] != run_of[at_min][:-1]))]]
-            by_cost = cost[order]
-        cheaper = np.ones(len(order), dtype=bool)
-        cheaper[1:] = by_cost[1:] < np.minimum.accumulate(by_cost)[:-1] - 1e-12
-        order = order[cheaper]
-    return (stored[order], cost[order], *(a[order] for a in rest))
-
-
 def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS
                       ) -> list[tuple[int, int]] | None:
     """The candidate segments of ``model`` (as ``(first stage, last stage)``) that the ILP of
@@ -234,6 +217,10 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
     has_options = [bool(options) for options in model.keep_options]
     selective = any(has_options)
     keep_codes = _KeepCodes()
+    segment_rooms = SegmentRooms(mib=groups.mib, live=groups.live_mib, segment_ends=segment_ends,
+                                 by_segment=groups.by_segment, room_forward=room_forward,
+                                 room_backward=room_backward, recomputed=model.recomputed,
+                                 segment_overhead=model.segment_overhead)
 
     def crossing(held: frozenset[int], j: int) -> float:
         return sum(groups.live_mib[g].get(j, 0.0) for g in held)
@@ -271,18 +258,15 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                 raise ChainSearchTooLarge(f"more than {max_labels} partial keep choices in segment ({first}, {last})")
         return states
 
-    incoming: list[dict[frozenset[int], list[tuple[np.ndarray, ...]]]] = [defaultdict(list)
-                                                                          for _ in range(stage_count + 1)]
-    none = np.array([-1], dtype=np.int64)
-    incoming[0][frozenset()].append((np.zeros(1), np.zeros(1), none, none, np.zeros(1, dtype=np.int64)))
+    incoming: list[dict[frozenset[int], Inbox]] = [defaultdict(Inbox) for _ in range(stage_count + 1)]
+    incoming[0][frozenset()].add(np.zeros(1), np.zeros(1), np.array([-1], dtype=np.int64), -1)
     final_costs: list[tuple[_Block, np.ndarray]] = []
     blocks: list[_Block] = []
     block_starts: list[int] = []
     next_id = 0
     for j in range(stage_count + 1):
-        for held, chunks in incoming[j].items():
-            stored, cost, parent, segment, keeps = (np.concatenate(parts) for parts in zip(*chunks))
-            stored, cost, parent, segment, keeps = _pruned(stored, cost, parent, segment, keeps)
+        for held, inbox in incoming[j].items():
+            stored, cost, parent, segment, keeps = inbox.front(selective)
             block = _Block(next_id, parent, segment.astype(np.int32), keeps if selective else None)
             blocks.append(block)
             block_starts.append(next_id)
@@ -301,9 +285,18 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
             fits = int(np.searchsorted(stored, room, side="right"))
             if fits:
                 still = frozenset(g for g in now_held if groups.last_stage[g] > j)
-                incoming[j + 1][still].append((stored[:fits] + added_mib, cost[:fits], ids[:fits],
-                                               np.full(fits, -1, dtype=np.int64), np.zeros(fits, dtype=np.int64)))
+                incoming[j + 1][still].add(stored[:fits] + added_mib, cost[:fits], ids[:fits], -1)
             # a segment from j to b: its inputs are held from here, its stages save nothing
+            if j in segment_ends and not any(has_options[j:max(segment_ends[j]) + 1]):
+                ends, rooms, added_mibs, inputs = segment_rooms.rooms(j, held)
+                for r, fits in enumerate(np.searchsorted(stored, rooms, side="right").tolist()):
+                    if fits:
+                        b = ends[r]
+                        still = frozenset(g for g in held.union(inputs[r]) if groups.last_stage[g] > b)
+                        incoming[b + 1][still].add(stored[:fits] + added_mibs[r],
+                                                   cost[:fits] + (model.run_ms[(j, b)] + 1e-3 * total_ms),
+                                                   ids[:fits], segment_code[(j, b)])
+                continue
             for b in segment_ends.get(j, ()):
                 added = [g for g in groups.by_segment.get((j, b), ()) if g not in held]
                 now_held = held.union(added)
@@ -315,14 +308,12 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                     fits = int(np.searchsorted(stored, room, side="right"))
                     if fits:
                         still = frozenset(g for g in now_held if groups.last_stage[g] > b)
-                        incoming[b + 1][still].append((stored[:fits] + added_mib, cost[:fits] + run_ms, ids[:fits],
-                                                       np.full(fits, code, dtype=np.int64),
-                                                       np.zeros(fits, dtype=np.int64)))
+                        incoming[b + 1][still].add(stored[:fits] + added_mib, cost[:fits] + run_ms, ids[:fits], code)
                     continue
                 for after_held, (st, co, pa, kc) in kept_in_segment(now_held, stored + added_mib, cost + run_ms, ids,
                                                                     j, b).items():
                     still = frozenset(g for g in after_held if groups.last_stage[g] > b)
-                    incoming[b + 1][still].append((st, co, pa, np.full(len(st), code, dtype=np.int64), kc))
+                    incoming[b + 1][still].add(st, co, pa, code, kc)
         incoming[j] = {}  # done with: free the chunks
     return _backtrack(blocks, block_starts, final_costs, segment_list, keep_codes)
 

@@ -43,6 +43,7 @@ def _on_finer_stages(
     started: float,
     rounds: int = 1,
     every_round_capped: bool = False,
+    first_round_max_candidates: int | None = None,
     by_chain_dp: bool = False,
 ) -> Plan:
     """``plan`` (found on ``stage_count`` stages), or a cheaper one from the ILP on about twice
@@ -54,11 +55,12 @@ def _on_finer_stages(
     ``time_limit_s`` (for all rounds together) is not spent (on the 4-layer GPT-2 and BERT
     profiles, 222 and 128 compute nodes, a second round on about 140 stages found nothing in
     9 to 13 s). With ``every_round_capped`` (a start from :func:`_short_segments_plan`, already
-    on many stages) the first round is held to the same limits. Finer stages let a segment end right after a node
-    that saves only its inputs (a linear: its matmul is never recomputed) where the coarse cuts
-    could not; on the residual MLP at half its peak the predicted recompute fell from 16.6 % to
-    13.0 % of the step, on a 4-layer GPT-2 from 21 % to 16 %. Deeper graphs gain from a second
-    round (:data:`FINER_PASS_ROUNDS`).
+    on many stages) the first round is held to the same limits; otherwise the first round may
+    have at most ``first_round_max_candidates`` candidate segments (None: no limit). Finer
+    stages let a segment end right after a node that saves only its inputs (a linear: its
+    matmul is never recomputed) where the coarse cuts could not; on the residual MLP at half
+    its peak the predicted recompute fell from 16.6 % to 13.0 % of the step, on a 4-layer
+    GPT-2 from 21 % to 16 %. Deeper graphs gain from a second round (:data:`FINER_PASS_ROUNDS`).
 
     The search does not start from ``plan``: HiGHS 1.16 with presolve, given ``plan`` as a MIP
     start (``Highs.setSolution``), proved the start optimal at the root on a 4-layer GPT-2 at
@@ -82,7 +84,8 @@ def _on_finer_stages(
                               node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
-                                                max_candidates=FINER_ROUND_MAX_CANDIDATES if capped else None)
+                                                max_candidates=FINER_ROUND_MAX_CANDIDATES if capped
+                                                else first_round_max_candidates)
         if finer is None or finer.recompute_ms >= best.recompute_ms:
             break
         log.info("the ILP on %d stages cut the recompute from %.2f to %.2f ms", stage_count, best.recompute_ms,

@@ -23,15 +23,25 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.costgraph import CostGraph
+from planner.core.plan import Plan, Segment
+from planner.core.simulate import fits_budget, simulate
 from planner.solvers.block_structure import structural_blocks
 from planner.solvers.keep import segment_with_kept
-from planner.core.plan import Segment
+from planner.solvers.stage_plans import _to_plan
 
-__all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "EVERY_KTH_LAYER_MAX_K", "SAVED_MATMUL_OPS"]
+__all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "hand_placed_candidate", "EVERY_KTH_LAYER_MAX_K",
+           "SAVED_MATMUL_OPS", "HAND_PLACED"]
+
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
+
+#: Solver label of a hand-placed candidate that no search beat.
+HAND_PLACED = "hand-placed"
 
 #: Every k-th layer for k = 1 up to this (docs/tuning.md#every_kth_layer_max_k).
 EVERY_KTH_LAYER_MAX_K = 4
@@ -133,3 +143,16 @@ def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> l
         if any(matmul[run].kept_nodes for run in runs):
             plans.append(HandPlan(f"{name}, matmul outputs kept", tuple(matmul[run] for run in runs)))
     return plans
+
+
+def hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int, started: float) -> Plan | None:
+    """The cheapest hand-placed plan (:func:`hand_placed_plans`) whose simulated peak fits
+    ``budget_bytes``, as a plan of :func:`planner.solvers.solve.solve` begun at ``started``
+    (``unoptimized``: the graph's unoptimized peak), or ``None``."""
+    fitting = [hand for hand in hand_placed_plans(graph) if fits_budget(graph, hand.segments, budget_bytes)]
+    if not fitting:
+        return None
+    best = min(fitting, key=lambda hand: hand.recompute_ms)
+    log.info("hand-placed candidate: %s, %.2f ms", best.name, best.recompute_ms)
+    return _to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
+                    f"{HAND_PLACED}: {best.name}", time.perf_counter() - started)

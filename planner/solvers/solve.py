@@ -36,14 +36,14 @@ import time
 from planner.core.costgraph import CostGraph
 from planner.solvers.deadline import SolveDeadline
 from planner.core.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
-from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks
+from planner.solvers.hand_policies import hand_placed_candidate, repeated_blocks
 from planner.solvers.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
 from planner.solvers.keep import keep_outputs
 from planner.solvers.stage_ilp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
 from planner.core.plan import Plan
 from planner.solvers.refine import ALL_CUTS_BELOW, refine_segments
 from planner.solvers.relaxation import search_cheapest
-from planner.core.simulate import fits_budget, simulate
+from planner.core.simulate import simulate
 from planner.solvers.smallest_peak import _exact_search_on, minimum_peak_plan
 from planner.solvers.stage_model import StageModel, build_stage_model
 from planner.solvers.stage_plans import (_loosened, _segments, _short_segments_plan, _tightened, _to_plan,
@@ -64,8 +64,9 @@ STAGES_PER_REPEATED_BLOCK = 16
 PER_BLOCK_START_MAX_STAGES = 512
 #: Fewest stages a block of the per-block start (docs/tuning.md#per_block_start_max_stages).
 MIN_STAGES_PER_REPEATED_BLOCK = 8
-#: Solver label of a hand-placed candidate that no search beat.
-HAND_PLACED = "hand-placed"
+#: Most candidate segments of the first finer round after the per-block start, the one round
+#: that may go past half the compute nodes (docs/tuning.md#per_block_round_max_candidates).
+PER_BLOCK_ROUND_MAX_CANDIDATES = 24_000
 #: Branch-and-bound nodes of the first ILP, on ``max_stages`` stages (docs/tuning.md#first_ilp_nodes).
 FIRST_ILP_NODES = 200
 #: Compute nodes below which the exact search runs by default (docs/tuning.md#exact_by_default_below).
@@ -218,26 +219,32 @@ def solve(
         blocks = sum(len(stack) for stack in repeated_blocks(graph))
         stages_a_block = max(MIN_STAGES_PER_REPEATED_BLOCK,
                              min(STAGES_PER_REPEATED_BLOCK, PER_BLOCK_START_MAX_STAGES // max(blocks, 1)))
-        if by_chain_dp and blocks and stages_a_block * blocks > len(stages):
+        per_block = by_chain_dp and blocks and stages_a_block * blocks > len(stages)
+        if per_block:
             shapes.insert(0, (stages_a_block * blocks, 2 * stages_a_block))
-        for stage_count, max_segment_stages in (shapes if short_segments and not selective else []):
+        for index, (stage_count, max_segment_stages) in enumerate(shapes if short_segments and not selective else []):
             if not deadline.allows(f"the short segments on {stage_count} stages"):
                 break
             short, short_stages = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes,
                                                        unoptimized, solver, deadline.cut(finer_limit_s),
                                                        max_attempts, started, by_chain_dp)
+            # the per-block start's plan cuts near the block boundaries, a few nodes a stage; its
+            # first round, on twice the stages, moves the cuts to the node (T5 at every-layer's
+            # peak: 0.905 -> 0.868 of its recompute), where other starts' rounds stop at half the nodes
+            round_cap = PER_BLOCK_ROUND_MAX_CANDIDATES if per_block and index == 0 else None
             if short is not None and deadline.allows(f"the finer rounds after {short_stages} stages"):
                 short = _on_finer_stages(graph, short, short_stages, budget_bytes, unoptimized, selective=False,
                                          solver=solver, time_limit_s=deadline.cut(finer_limit_s),
                                          max_attempts=max_attempts, started=started, rounds=finer_rounds,
-                                         every_round_capped=True, by_chain_dp=by_chain_dp)
+                                         every_round_capped=round_cap is None, first_round_max_candidates=round_cap,
+                                         by_chain_dp=by_chain_dp)
             if short is not None and (finer is None or short.recompute_ms < finer.recompute_ms):
                 finer = short
     if raised is not None and raised is not plan and (finer is None or raised.recompute_ms < finer.recompute_ms):
         finer = raised
     # what a person would write by hand (every k-th layer, matmul outputs kept) is a candidate
     # like any other, so the plan returned never costs more than one of them that fits
-    hand = _hand_placed_candidate(graph, budget_bytes, unoptimized, started)
+    hand = hand_placed_candidate(graph, budget_bytes, unoptimized, started)
     if hand is not None and (finer is None or hand.recompute_ms < finer.recompute_ms) and \
             (plan is None or hand.recompute_ms < plan.recompute_ms):
         finer = hand
@@ -368,18 +375,6 @@ def _with_kept_outputs(
                                        predicted_peak_bytes=peak, optimality_gap=None, hit_time_limit=False,
                                        solver=f"{solver_name} + keep")
     return best
-
-
-def _hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int, started: float) -> Plan | None:
-    """The cheapest hand-placed plan (:func:`planner.solvers.hand_policies.hand_placed_plans`) whose
-    simulated peak fits ``budget_bytes``, or ``None``."""
-    fitting = [hand for hand in hand_placed_plans(graph) if fits_budget(graph, hand.segments, budget_bytes)]
-    if not fitting:
-        return None
-    best = min(fitting, key=lambda hand: hand.recompute_ms)
-    log.info("hand-placed candidate: %s, %.2f ms", best.name, best.recompute_ms)
-    return _to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
-                    f"{HAND_PLACED}: {best.name}", time.perf_counter() - started)
 
 
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
