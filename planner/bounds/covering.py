@@ -139,8 +139,10 @@ def moments_over(graph: CostGraph, unoptimized: SimulationResult, budget_bytes: 
         ...                         output_bytes=MIB, requires_grad=True, backward_peak_bytes=3 * MIB,
         ...                         backward_late_scratch_bytes=2 * MIB)),
         ...               (Storage(0, MIB, True), Storage(1, MIB)), output_names=("a",))
-        >>> [(phase, name, live // MIB) for phase, name, live in moments_over(g, simulate(g), 0, 8)]
-        [('backward', 'a', 3), ('forward', 'a', 2), ('forward', 'x', 1)]
+        >>> [(phase, name, live / MIB) for phase, name, live in simulate(g).timeline]
+        [('forward', 'a', 2.0), ('backward', 'a', 6.0)]
+        >>> [(phase, name, live / MIB) for phase, name, live in moments_over(g, simulate(g), 0, 8)]
+        [('backward', 'a', 4.0), ('forward', 'a', 2.0)]
     """
     late = {n.name: n.backward_late_scratch_bytes for n in graph.compute_nodes if n.backward_late_scratch_bytes}
     moments = [(phase, name, live - late.get(name, 0) if phase == "backward" else live)
