@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         # memory model itself (world_size: shards plus the units in flight).
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         reserve_bytes = {"ddp": 1.0, "fsdp": 1.5, "fsdp-blocks": 0.0}[args.mode] * param_bytes
+        # exact=False: the chain DP alone, no MILP in the ranks; a MILP solver stuck in one rank
+        # (HiGHS 1.16's presolve loop, docs/tuning.md OVERRUN_S) would hold the others at the barrier
         opt = optimize(model, example, budget_gb=args.budget_fraction * peak_bytes / 2**30,
-                       reserve_gb=reserve_bytes / 2**30, world_size=world_size if sharded else 1)
+                       reserve_gb=reserve_bytes / 2**30, world_size=world_size if sharded else 1, exact=False)
         plan = opt.plan
         if args.mode == "ddp":
             wrapped: nn.Module = nn.parallel.DistributedDataParallel(opt)

@@ -98,6 +98,11 @@ def _pass_totals(times_ms: dict[str, list[float]]) -> list[float]:
     return [sum(v[k] for v in times_ms.values()) for k in range(passes)]
 
 
+def _step_totals(times_ms: dict[str, list[float]], backward_ms: list[float]) -> list[float]:
+    """Each timed pass's step time: its forward (:func:`_pass_totals`) plus its backward."""
+    return [forward + backward for forward, backward in zip(_pass_totals(times_ms), backward_ms)]
+
+
 def _share(start: float, last_save: float, end: float) -> float:
     return min(1.0, max(0.0, (end - last_save) / (end - start))) if end > start else 0.0
 
@@ -157,9 +162,9 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
     (:func:`cpu_timer`); it also times each pass's backward as a whole, so the passes give the
     step's time too (``NodeTimes.step_totals_ms``). One untimed step runs first unless
     ``warm_up`` is False (the caller has just run a step of ``gm`` itself). While the timed
-    passes' forward times spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy machine), more
-    passes are timed, up to :data:`MAX_TIMING_PASSES`, so the medians do not follow the noise. RNG state, buffers and
-    ``.grad`` of ``gm`` are restored afterwards.
+    passes' forward or step times spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy
+    machine), more passes are timed, up to :data:`MAX_TIMING_PASSES`, so the medians do not
+    follow the noise. RNG state, buffers and ``.grad`` of ``gm`` are restored afterwards.
     """
     times_ms: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
@@ -167,8 +172,8 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
     repeats = max(1, repeats)
     with preserved_state(gm):
         passes = 0
-        while warm_up or passes < repeats or (passes < MAX_TIMING_PASSES
-                                              and pass_spread(_pass_totals(times_ms)) > TIMING_SPREAD_LIMIT):
+        while warm_up or passes < repeats or (passes < MAX_TIMING_PASSES and max(
+                pass_spread(_pass_totals(times_ms)), pass_spread(_step_totals(times_ms, backward_ms))) > TIMING_SPREAD_LIMIT):
             interpreter = _NodeTimer(gm, timer, None if warm_up else times_ms, split_nodes, shares)
             flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)
             loss = loss_of(unflatten_output(gm, flat_out))
@@ -182,8 +187,8 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
             passes += not warm_up
             warm_up = False
     totals = _pass_totals(times_ms)
-    steps = tuple(forward + backward for forward, backward in zip(totals, backward_ms))
-    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals), steps)
+    return NodeTimes(_medians(times_ms), _medians(shares), len(totals), pass_spread(totals),
+                     tuple(_step_totals(times_ms, backward_ms)))
 
 
 def _timing_event() -> torch.cuda.Event:
