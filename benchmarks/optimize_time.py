@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import benchmark_logging, publish_table, table_arguments  # noqa: E402
+from common import benchmark_logging, publish_table, step_seconds, table_arguments  # noqa: E402
 
 import models as example_models  # noqa: E402
 
@@ -81,17 +81,8 @@ def _timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
 
 
 def _step_times_s(model: torch.nn.Module, inputs: Any, repeats: int) -> list[float]:
-    from profiling import run_step
-
-    times = []
-    for _ in range(repeats):
-        for p in model.parameters():
-            p.grad = None
-        started = time.perf_counter()
-        run_step(model, inputs)
-        times.append(time.perf_counter() - started)
-    for p in model.parameters():
-        p.grad = None
+    times = [step_seconds(model, inputs, torch.device("cpu")) for _ in range(repeats)]
+    model.zero_grad(set_to_none=True)
     return times
 
 

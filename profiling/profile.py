@@ -49,6 +49,7 @@ from profiling.measure import (
 from profiling.node_times import (
     MAX_TIMING_PASSES,
     TIMING_SPREAD_LIMIT,
+    NodeTimes,
     Timer,
     pass_spread,
     time_nodes_in_passes,
@@ -187,9 +188,10 @@ def profile_graph(
         # a whole step with values freed as the module frees them: it also warms the allocator
         # for the timing passes, which then need no untimed step of their own
         peaks = measure_node_peaks(gm, inputs)
-        node_times, step_ms = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats)
+        node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats)
+        step_ms = statistics.median(step_times)
         timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread,
-                  "step_time_spread": node_times.step_spread}
+                  "step_time_spread": pass_spread(step_times)}
         _warn_if_noisy(timing)
         measured_peak_bytes = None
         if measure_peak:
@@ -213,8 +215,8 @@ def profile_graph(
 
 
 def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInputs, device: torch.device,
-                    repeats: int, split: set[str], step_repeats: int) -> tuple["_NodeTimings", float]:
-    """Each node's warm forward time (pooled over twin ops) and the step's time, in ms.
+                    repeats: int, split: set[str], step_repeats: int) -> tuple[NodeTimes, list[float]]:
+    """Each node's warm forward time and the step's times, in ms.
 
     On CPU the step's time comes from the same passes (their node times plus their backward),
     so no step runs only to be timed; on CUDA, where the passes queue the forward ahead of the
@@ -226,24 +228,10 @@ def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInput
     else:
         node_times = time_nodes_in_passes(gm, flat, repeats, step_timer(device), split_nodes=split, warm_up=False)
         step_times = list(node_times.step_totals_ms)
-    timings = _NodeTimings(node_times.time_ms, node_times.after_last_save_share, node_times.passes,
-                           node_times.spread, pass_spread(step_times))
-    return timings, statistics.median(step_times)
+    return node_times, step_times
 
 
-@dataclasses.dataclass(frozen=True)
-class _NodeTimings:
-    """What :func:`_measured_times` measured: medians per node, and how much the passes and
-    the steps spread (:func:`profiling.node_times.pass_spread`)."""
-
-    time_ms: dict[str, float]
-    after_last_save_share: dict[str, float]
-    passes: int
-    spread: float
-    step_spread: float
-
-
-def _with_measurements(nodes: tuple[CostNode, ...], signatures: dict[str, Any], timings: _NodeTimings,
+def _with_measurements(nodes: tuple[CostNode, ...], signatures: dict[str, Any], timings: NodeTimes,
                        peaks: NodePeaks) -> tuple[CostNode, ...]:
     """``nodes`` with their measured times (twin ops pooled, :func:`pool_repeated_op_times`)
     and the peaks of their forward and backward."""
