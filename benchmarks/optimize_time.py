@@ -61,7 +61,7 @@ How to read it:
   imports a user's first call pays.
 - *beside the solve*: the call's time less the solve, in unoptimized steps. Bar: at most
   {MAX_STEPS_BESIDE_SOLVE} steps beside the solve, and the solve under {MAX_SOLVE_S:.0f} s.
-- Profiling is one profiling run (shapes, storages, saved tensors, FLOPs), one step under the
+- Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), one step under the
   memory profiler (per-node temporaries and the step's peak), then the warm timing passes
   (`timing_repeats` = 2, more while they spread by over 25 %; the step's time is taken from them).
 - Times are wall clock on a shared 2-core machine: a busy neighbour lengthens the step and the

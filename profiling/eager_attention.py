@@ -61,10 +61,15 @@ class EagerAttentionCall:
     key_shape: tuple[int, ...]
 
 
+class _EnoughCalls(Exception):
+    """Raised by the recorder once it holds the calls it was asked for, to end the forward there."""
+
+
 class _AttentionRecorder(TorchFunctionMode):
-    def __init__(self) -> None:
+    def __init__(self, stop_after: int | None) -> None:
         super().__init__()
         self.calls: list[EagerAttentionCall] = []
+        self.stop_after = stop_after
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -76,13 +81,18 @@ class _AttentionRecorder(TorchFunctionMode):
                 has_mask=named.get("attn_mask") is not None, is_causal=bool(named.get("is_causal")),
                 enable_gqa=bool(named.get("enable_gqa")),
                 key_shape=tuple(key.shape) if isinstance(key, torch.Tensor) else ()))
+            if self.stop_after is not None and len(self.calls) >= self.stop_after:
+                raise _EnoughCalls
         return func(*args, **kwargs)
 
 
-def eager_attention_calls(model: torch.nn.Module, example_inputs: Any) -> list[EagerAttentionCall] | None:
+def eager_attention_calls(model: torch.nn.Module, example_inputs: Any,
+                          stop_after: int | None = None) -> list[EagerAttentionCall] | None:
     """Run ``model``'s forward once, without autograd and without side effects (RNG, buffers and
     gradients restored), and return how it called ``scaled_dot_product_attention``, in order;
-    ``None`` when the forward fails.
+    ``None`` when the forward fails. With ``stop_after``, the forward ends at that call, before
+    running it: what follows the last attention (in a language model the output head, most of
+    the forward's time) cannot change the calls already recorded.
 
     Example:
         >>> class Attention(torch.nn.Module):
@@ -92,10 +102,12 @@ def eager_attention_calls(model: torch.nn.Module, example_inputs: Any) -> list[E
         [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4))]
     """
     inputs = StepInputs.from_example(example_inputs)
-    recorder = _AttentionRecorder()
+    recorder = _AttentionRecorder(stop_after)
     try:
         with preserved_state(model), torch.no_grad(), recorder:
             model(*inputs.args, **inputs.kwargs)
+    except _EnoughCalls:
+        pass
     except Exception as exc:  # it ran under export already; failing here only means "unknown"
         log.debug("eager attention calls not recorded: %s", exc)
         return None
@@ -169,13 +181,14 @@ def match_eager_attention(gm: torch.fx.GraphModule, model: torch.nn.Module, exam
     """Rewrite ``gm``'s attention calls into the calls the eager ``model`` makes on
     ``example_inputs``: a constant causal or all-visible mask dropped where eager passes none,
     repeated key/value heads replaced by ``enable_gqa=True`` where eager uses it. Returns how
-    many calls changed. The eager forward runs only when ``gm`` has attention; when its calls do
-    not line up with the graph's (another count), nothing changes.
+    many calls changed. The eager forward runs only when ``gm`` has attention, and only up to
+    the call that pairs with the graph's last; when eager makes fewer calls than the graph,
+    nothing changes.
     """
     nodes = attention_nodes(gm)
     if not nodes:
         return 0
-    calls = eager_attention_calls(model, example_inputs)
+    calls = eager_attention_calls(model, example_inputs, stop_after=len(nodes))
     if calls is None or len(calls) != len(nodes):
         log.debug("attention calls kept as traced: eager made %s, the graph has %d",
                   "unknown" if calls is None else len(calls), len(nodes))

@@ -162,7 +162,8 @@ def profile_graph(
             bar.close()
         output = unflatten_output(gm, flat_out)
         loss = loss_of(output)
-        loss.backward()
+        if tracker is not None:  # measured runs take their backward facts from measure_node_peaks
+            loss.backward()
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)

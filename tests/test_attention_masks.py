@@ -93,3 +93,28 @@ def test_a_padding_mask_from_the_inputs_is_kept():
     expected = model(**example).logits
     torch.manual_seed(0)
     torch.testing.assert_close(gm(**example).logits, expected, rtol=0, atol=0)
+
+
+class AttentionThenHead(torch.nn.Module):
+    """Two causal attention calls, then a head that counts how often it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 8)
+        self.head_calls = 0
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        q = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        q = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        self.head_calls += 1
+        return self.head(q)
+
+
+def test_the_eager_forward_stops_at_the_graphs_last_attention_call():
+    from profiling.eager_attention import eager_attention_calls
+
+    model, q = AttentionThenHead(), torch.randn(1, 2, 4, 8)
+    stopped = eager_attention_calls(model, (q,), stop_after=2)
+    assert [c.is_causal for c in stopped] == [True, True] and model.head_calls == 0
+    whole = eager_attention_calls(model, (q,))
+    assert whole == stopped and model.head_calls == 1
