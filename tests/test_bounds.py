@@ -178,3 +178,35 @@ def test_a_kept_maker_releases_its_transient_only_at_the_policys_price(policy_ms
     best = min(ms for peak, ms, _ in every_plan(g) if peak <= 11 * MIB)
     assert best == pytest.approx(10.1)
     assert covering_bound(g, 11 * MIB).value == pytest.approx(expected_ms)
+
+
+def _saved_by_a_slow_node(keepable: bool) -> CostGraph:
+    """x -> a (cheap, 4 MiB output) -> s (slow; saves a's output and its own) -> head (saves
+    s's output; an 8 MiB temporary in its backward: the peak). Like a projection read by an
+    attention kernel that saves its inputs."""
+    sizes = {0: MIB, 1: 4 * MIB, 2: MIB, 3: MIB}
+    spec = [("a", ("x",), 1, (), 0.1, 0), ("s", ("a",), 2, (1, 2), 10.0, 0), ("head", ("s",), 3, (2,), 1.0, 8 * MIB)]
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    for name, inputs, key, saved, ms, backward_peak in spec:
+        nodes.append(CostNode(name, "op", input_names=inputs, output_storages=(key,), saved_storages=saved,
+                              output_bytes=sizes[key], requires_grad=True, time_ms=ms,
+                              backward_peak_bytes=backward_peak, selective_save=keepable and name == "s"))
+    return CostGraph(tuple(nodes), tuple(Storage(k, size, k == 0) for k, size in sizes.items()), ("head",))
+
+
+def test_a_node_outside_every_segment_holds_what_it_saved():
+    """4 MiB to free at head's backward. Rerunning a alone would free its 4 MiB output for
+    0.1 ms, but s saved it and, outside every segment, holds it until its own backward: every
+    plan that fits reruns s too (10.1 ms, brute force), and both bounds find that. Where a
+    selective policy may keep s, its saves go to the checkpoint: keeping s and rerunning a
+    frees the output for 0.1 ms, and the bound over every plan allows it."""
+    budget = 12 * MIB
+    strict = _saved_by_a_slow_node(keepable=False)
+    assert simulate(strict).peak_bytes > budget
+    best = min(ms for peak, ms, _ in every_plan(strict) if peak <= budget)
+    assert best == pytest.approx(10.1)
+    assert covering_bound(strict, budget).value == pytest.approx(best)
+    assert covering_bound(strict, budget, kept_outputs=False).value == pytest.approx(best)
+    keepable = _saved_by_a_slow_node(keepable=True)
+    assert covering_bound(keepable, budget).value == pytest.approx(0.1)
+    assert covering_bound(keepable, budget, kept_outputs=False).value == pytest.approx(best)

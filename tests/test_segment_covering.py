@@ -50,7 +50,9 @@ def test_never_above_the_cheapest_plan_never_below_the_covering_bound(kept_outpu
             checked += 1
             tighter += bound > cheap * (1 + 1e-3) + 1e-9
     assert checked > 80, checked
-    assert tighter > checked // 10, f"tighter than the covering bound on only {tighter} of {checked} budgets"
+    # the covering bound shares the savers rule (planner.bounds.saver_holds); contiguity and
+    # segment breaks are what this bound adds, on about one budget in ten
+    assert tighter > checked // 20, f"tighter than the covering bound on only {tighter} of {checked} budgets"
     assert infeasible > 5, "budgets below every plan's peak are proven infeasible"
 
 
@@ -101,10 +103,10 @@ def test_bad_arguments_say_what_to_pass(kwargs, message):
 @pytest.mark.slow
 def test_on_llama_at_every_layers_peak_it_proves_more_than_the_covering_bound():
     """A stored 4-layer Llama profile at checkpoint-every-layer's measured peak: every-layer's
-    own plan fits there; the covering bound proves under 60 % of its recompute (57 %), the
-    segment covering bound over plans of whole segments over 65 % of it already by its LP
-    relaxation (CBC, deterministic), so no plan of whole segments meets the 60 % quality bar by
-    the profile's account; with kept outputs more than the covering bound."""
+    own plan fits there; the covering bound proves 66 % of its recompute (no plan meets the
+    60 % quality bar by the profile's account), 86 % over plans of whole segments, and the
+    segment covering bound over those 94 % already by its LP relaxation (CBC, deterministic);
+    with kept outputs it proves more than the covering bound (72 %)."""
     from planner.core.costgraph import protect_reads_before_writes
     from profiling.cache import load_profile
 
@@ -118,10 +120,11 @@ def test_on_llama_at_every_layers_peak_it_proves_more_than_the_covering_bound():
     assert len(every_layer) == 4 and simulate(g, every_layer).peak_bytes <= budget
     every_ms = sum(rerun_cost(g, seg)[0] for seg in every_layer)
     cheap = covering_bound(g, budget).value
+    whole = covering_bound(g, budget, kept_outputs=False).value
     relaxed = segment_covering_bound(g, budget, kept_outputs=False, solver="CBC")
     assert relaxed.method.endswith("LP relaxation (CBC)")
-    assert cheap < 0.6 * every_ms
-    assert 0.65 * every_ms < relaxed.value <= every_ms
+    assert 0.6 * every_ms < cheap < whole
+    assert whole < relaxed.value <= every_ms
     # with kept outputs (a larger choice, so a lower bound) it still proves more than the covering bound
     kept = segment_covering_bound(g, budget, kept_outputs=True, solver="CBC").value
     assert cheap < kept <= relaxed.value

@@ -9,7 +9,9 @@ live only in two ways, whatever its segments and kept outputs:
   its first saver's forward to its last saver's backward, can be gone only if the node that
   made it runs again in a recompute: otherwise the backward has nothing to read it from. It is
   never gone where it is being used: at the forward of its maker or of a node reading it, and
-  at the backward of a node that saved it.
+  at the backward of a node that saved it; nor before a later reader's forward. In plans of
+  whole segments a node outside every segment also holds what it saved until its backward
+  (:mod:`planner.bounds.saver_holds`).
 * **Transient inputs it holds longer.** A storage nothing saves is freed after its last reader
   in the unoptimized step. If a node reading it runs again in a recompute while the node that
   made it does not, the plan must hold it from the forward until that recompute: it is live
@@ -64,6 +66,7 @@ from dataclasses import dataclass
 import pulp
 
 from planner.bounds.backward_holds import BackwardHolds
+from planner.bounds.saver_holds import FreedStorages
 from planner.core.costgraph import MIB, CostGraph, CostNode
 from planner.core.errors import InputError
 from planner.milp.highs import HighsOverrunError, PlannerHiGHS
@@ -275,8 +278,6 @@ class _CoveringModel:
         self.prob = pulp.LpProblem("recompute_lower_bound", pulp.LpMinimize)
         self.x = {name: self.prob.add_variable(f"rerun_{i}", cat=pulp.LpBinary)
                   for i, name in enumerate(sorted(uses.rerunnable))}
-        # saved storages a plan can free: (first saver's position, maker, MiB, storage, savers)
-        self.freeable = uses.freeable
         # transients a rerun reader makes the plan hold: (last use, held variable, MiB)
         self.transients = uses.add_transients(self.prob, self.x)
         #: a moment where nothing can be freed and the budget is exceeded: no plan fits
@@ -286,6 +287,8 @@ class _CoveringModel:
         # ``released`` lets every maker do so for free
         may_keep = frozenset(n.name for n in graph.compute_nodes if n.selective_save or released) \
             if kept_outputs else frozenset()
+        # what each moment can free (planner.bounds.saver_holds)
+        self.freed = FreedStorages(graph, uses, self.prob, self.x, may_keep)
         self.holds = BackwardHolds(
             graph, uses, self.prob, self.x, may_keep=may_keep,
             policy_ms_per_node=graph.selective_overhead_ms_per_node if objective == "time" and not released else 0.0,
@@ -297,15 +300,7 @@ class _CoveringModel:
             self._add_moment(c, phase, name, position[name], (live - budget_bytes) / MIB)
 
     def _add_moment(self, c: int, phase: str, name: str, here: int, excess_mib: float) -> None:
-        freed: dict[str, float] = {}
-        for first, made_by, mib, k, names in self.freeable:
-            if first > here:
-                continue  # not saved yet
-            if phase == "backward" and name in names:
-                continue  # this backward reads it
-            if phase == "forward" and (made_by == name or k in self.inputs_of[name]):
-                continue  # being made or read right now
-            freed[made_by] = freed.get(made_by, 0.0) + mib
+        freed = self.freed.terms(phase, name, here)
         if not freed:
             self.infeasible = True
             return
@@ -313,7 +308,7 @@ class _CoveringModel:
             held = [mib * v for last, v, mib in self.transients if last < here]
         else:
             held = self.holds.held_mib(here)
-        self.prob += (pulp.lpSum(mib * self.x[m] for m, mib in freed.items()) - pulp.lpSum(held) >= excess_mib,
+        self.prob += (pulp.lpSum(mib * v for mib, v in freed) - pulp.lpSum(held) >= excess_mib,
                       f"moment_{c}_{phase}_{name}")
 
 

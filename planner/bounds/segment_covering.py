@@ -71,6 +71,7 @@ from planner.bounds.covering import (
     settled_without_solving,
 )
 from planner.core.costgraph import CostGraph, CostNode
+from planner.core.rerun import after_last_save_fraction
 from planner.solvers.stage_ilp import available_solvers
 from planner.core.simulate import SimulationResult
 
@@ -86,6 +87,7 @@ class _SegmentCoveringModel:
                  max_moments: int, kept_outputs: bool) -> None:
         uses = StorageUses(graph)
         self.uses = uses
+        self.graph = graph
         compute = list(graph.compute_nodes)
         self.rank = {n.name: i for i, n in enumerate(compute)}
         runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
@@ -156,6 +158,11 @@ class _SegmentCoveringModel:
                 elif b != made:
                     prob += (together <= x[between.name] + self.kept.get(between.name, 0),
                              f"contiguous_{k}_to_{saver}_reruns_{b}")
+            saver_name = compute[saver].name
+            if after_last_save_fraction(self.graph, compute[saver]) < 1.0:
+                # a saver outside its segments holds what it saved (planner.bounds.saver_holds)
+                prob += (together <= x[saver_name] + self.kept.get(saver_name, 0),
+                         f"contiguous_{k}_to_{saver}_saver_reruns")
             chain.append((saver, together))
             previous = saver
         if chain:
