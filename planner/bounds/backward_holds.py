@@ -21,7 +21,7 @@ maker ``m`` does not, the recompute needs the transient, so the plan holds it:
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.bounds.covering import StorageUses
+    >>> from planner.bounds.storage_uses import StorageUses
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,)),
     ...          CostNode("lin", "op", input_names=("x",), output_storages=(1,), saved_storages=(0,)),
     ...          CostNode("add", "op", input_names=("lin", "x"), output_storages=(2,)),
@@ -41,14 +41,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
-
 import pulp
 
+from planner.bounds.storage_uses import StorageUses
 from planner.core.costgraph import MIB, CostGraph
-
-if TYPE_CHECKING:
-    from planner.bounds.covering import StorageUses
 
 __all__ = ["BackwardHolds", "MAX_RELEASE_STOPS", "held_transient_bytes", "trigger_ranks"]
 
@@ -94,8 +90,6 @@ def held_transient_bytes(graph: CostGraph, reruns: Collection[str], node: str) -
         >>> held_transient_bytes(g, {"add"}, "norm"), held_transient_bytes(g, {"lin", "add"}, "norm")
         (64, 0)
     """
-    from planner.bounds.covering import StorageUses  # the covering module builds on this one
-
     uses = StorageUses(graph)
     here = uses.position[node]
     return sum(uses.sizes[k].size_bytes for k in uses.transient_keys if uses.maker[k] not in reruns

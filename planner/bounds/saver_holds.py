@@ -22,7 +22,7 @@ every plan, and one for plans of whole segments:
 Example:
     >>> import pulp
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
-    >>> from planner.bounds.covering import StorageUses
+    >>> from planner.bounds.storage_uses import StorageUses
     >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,)),
     ...          CostNode("proj", "op", input_names=("x",), output_storages=(1,), saved_storages=(0,)),
     ...          CostNode("attn", "op", input_names=("proj",), output_storages=(2,), saved_storages=(1, 2)),
@@ -39,15 +39,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pulp
 
+from planner.bounds.storage_uses import StorageUses
 from planner.core.costgraph import CostGraph
 from planner.core.rerun import after_last_save_fraction
-
-if TYPE_CHECKING:
-    from planner.bounds.covering import StorageUses
 
 __all__ = ["FreedStorages"]
 
@@ -55,7 +51,7 @@ __all__ = ["FreedStorages"]
 class FreedStorages:
     """The storages each moment can free and what each needs to run again.
 
-    ``uses`` is the graph's :class:`planner.bounds.covering.StorageUses`; ``rerun`` the binary
+    ``uses`` is the graph's :class:`planner.bounds.storage_uses.StorageUses`; ``rerun`` the binary
     "node runs again" variable of every rerunnable node; ``may_keep`` the nodes a selective
     policy may keep. The savers rule of the module docstring adds one variable per storage and
     set of holding savers, created once and shared by the moments that need it.

@@ -62,7 +62,6 @@ from planner.bounds.backward_holds import BackwardHolds
 from planner.bounds.covering import (
     MIB,
     LowerBound,
-    StorageUses,
     check_bound_arguments,
     highs_lp_bound,
     least_rerun_cost,
@@ -70,6 +69,7 @@ from planner.bounds.covering import (
     proven_bound,
     settled_without_solving,
 )
+from planner.bounds.storage_uses import StorageUses
 from planner.core.costgraph import CostGraph, CostNode
 from planner.core.rerun import after_last_save_fraction
 from planner.solvers.stage_ilp import available_solvers

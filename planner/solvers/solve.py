@@ -38,7 +38,7 @@ from planner.solvers.deadline import SolveDeadline
 from planner.core.errors import InfeasibleBudgetError, check_max_stages, check_time_limit
 from planner.solvers.hand_policies import hand_placed_candidate, repeated_blocks
 from planner.solvers.finer_rounds import FINER_PASS_ROUNDS, FINER_PASS_S, _on_finer_stages
-from planner.solvers.keep import keep_outputs
+from planner.solvers.keep_round import cheapest_with_kept_outputs
 from planner.solvers.stage_ilp import MIP_GAP, _choose_solver, _IlpResult, _run_solver, available_solvers
 from planner.core.plan import Plan
 from planner.solvers.refine import ALL_CUTS_BELOW, refine_segments
@@ -55,8 +55,6 @@ __all__ = ["solve", "minimum_peak_plan", "available_solvers", "check_time_limit"
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
-#: Budgets within this of the smallest peak keep outputs in its plan (docs/tuning.md#keep_from_smallest_peak_within).
-KEEP_FROM_SMALLEST_PEAK_WITHIN = 1.10
 #: Stages per repeated block of the start that resolves each block (docs/tuning.md#stages_per_repeated_block).
 STAGES_PER_REPEATED_BLOCK = 16
 #: At most this many stages in that start: deeper models get fewer a block, down to
@@ -162,7 +160,7 @@ def solve(
     forward instead of being re-run (a selective checkpoint policy), chosen per node by
     :func:`planner.solvers.keep.keep_outputs` on the selective model's segments (the chain DP chooses
     segments and keep options together), on the segments-only plan's and, at budgets within
-    :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the smallest peak, on the finer segments of the
+    :data:`planner.solvers.keep_round.KEEP_FROM_SMALLEST_PEAK_WITHIN` of the smallest peak, on the finer segments of the
     smallest-peak plan, whichever ends cheapest; the plan never costs more than the
     segments-only one. Keeping costs the selective policy's dispatch
     time on every node of a segment that keeps anything (``graph.selective_overhead_ms_per_node``);
@@ -310,9 +308,9 @@ def solve(
                 raise
             plain = None
         # when keeping pays nowhere (the policy costs more than it saves) this is the segments-only optimum
-        plan = _with_kept_outputs(graph, [p for p in (plan, plain) if p is not None], budget_bytes, fallback,
-                                  max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                  refine_s=refine_s, deadline=deadline)
+        plan = cheapest_with_kept_outputs(graph, [p for p in (plan, plain) if p is not None], budget_bytes, fallback,
+                                          max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
+                                          refine_s=refine_s, deadline=deadline)
         plan = dataclasses.replace(plan, solve_s=time.perf_counter() - started)
     if deadline.reached():
         log.info("max_solve_s=%g s reached after %.1f s: the plan is the cheapest found by then (%.2f ms)",
@@ -331,50 +329,6 @@ def _cost_search_on(graph: CostGraph, exact: bool | None, plan: Plan | None, bud
     if len(graph.compute_nodes) >= EXACT_BY_DEFAULT_BELOW:
         return False
     return plan is None or plan.predicted_peak_bytes < budget_bytes * (1 - EXACT_WHEN_UNUSED)
-
-
-def _with_kept_outputs(
-    graph: CostGraph,
-    plans: list[Plan],
-    budget_bytes: int,
-    fallback: Plan | None,
-    *,
-    max_stages: int,
-    solver: str | None,
-    time_limit_s: float,
-    refine_s: float,
-    deadline: SolveDeadline | None = None,
-) -> Plan:
-    """The cheapest of ``plans`` and of op-level keep decisions (:func:`planner.solvers.keep.keep_outputs`)
-    on their segments and on the finer ones of the smallest-peak plan (``fallback``, solved
-    here when ``None`` and the budget is within :data:`KEEP_FROM_SMALLEST_PEAK_WITHIN` of the
-    smallest-peak ILP's peak), each of whose room below the budget is then filled with kept outputs."""
-    if fallback is None:
-        rough = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                  refine_s=0, exact=False, lower_by_dp=False)
-        if budget_bytes <= KEEP_FROM_SMALLEST_PEAK_WITHIN * rough.predicted_peak_bytes:
-            fallback = minimum_peak_plan(graph, max_stages=max_stages, solver=solver, time_limit_s=time_limit_s,
-                                         refine_s=refine_s, lower_by_dp=False)
-        else:
-            log.info("keep search: the budget is %.2fx the smallest-peak ILP's peak, so its plan is no start",
-                     budget_bytes / rough.predicted_peak_bytes)
-    starts = [(p.segments, p.solver) for p in plans]
-    if fallback is not None and fallback.segments and fallback.predicted_peak_bytes <= budget_bytes:
-        starts.append((fallback.segments, fallback.solver))
-    best = min(plans, key=lambda p: p.recompute_ms)
-    deadline = deadline or SolveDeadline(time.perf_counter(), None)
-    for segments, solver_name in starts:
-        if not deadline.allows(f"keeping outputs in the plan of {solver_name}"):
-            break
-        kept_s = deadline.cut(max(refine_s, 1.0))
-        kept = keep_outputs(graph, segments, budget_bytes, time_limit_s=kept_s)
-        cost = sum(s.recompute_ms for s in kept)
-        if kept and cost < best.recompute_ms - 1e-9:
-            peak = simulate(graph, kept).peak_bytes
-            best = dataclasses.replace(best, budget_bytes=budget_bytes, segments=tuple(kept),
-                                       predicted_peak_bytes=peak, optimality_gap=None, hit_time_limit=False,
-                                       solver=f"{solver_name} + keep")
-    return best
 
 
 def _refined(graph: CostGraph, plan: Plan, budget_bytes: int, refine_s: float, started: float) -> Plan:
