@@ -142,12 +142,19 @@ def _residual(lin_keepable: bool) -> CostGraph:
     sizes = {0: MIB, 1: 4 * MIB, 2: 4 * MIB, 3: MIB, 4: MIB}
     spec = [("lin", ("x",), 1, (0,), 10.0, 0), ("add", ("lin", "x"), 2, (), 0.1, 0),
             ("norm", ("add",), 3, (2,), 0.1, 0), ("head", ("norm",), 4, (3,), 1.0, 4 * MIB)]
+    return _graph_of(sizes, spec, "lin" if lin_keepable else None)
+
+
+def _graph_of(sizes: dict[int, int], spec: list[tuple], keepable: str | None) -> CostGraph:
+    """A graph from input ``x`` (storage 0) and ``(name, inputs, output storage, saved
+    storages, ms, backward peak)`` per node, the last node its output; ``keepable`` may be kept
+    by a selective policy."""
     nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
     for name, inputs, key, saved, ms, backward_peak in spec:
         nodes.append(CostNode(name, "op", input_names=inputs, output_storages=(key,), saved_storages=saved,
                               output_bytes=sizes[key], requires_grad=True, time_ms=ms,
-                              backward_peak_bytes=backward_peak, selective_save=lin_keepable and name == "lin"))
-    return CostGraph(tuple(nodes), tuple(Storage(k, size, k == 0) for k, size in sizes.items()), ("head",))
+                              backward_peak_bytes=backward_peak, selective_save=name == keepable))
+    return CostGraph(tuple(nodes), tuple(Storage(k, size, k == 0) for k, size in sizes.items()), (spec[-1][0],))
 
 
 def test_a_segment_holds_the_transients_it_reads_through_the_backward():
@@ -186,12 +193,7 @@ def _saved_by_a_slow_node(keepable: bool) -> CostGraph:
     attention kernel that saves its inputs."""
     sizes = {0: MIB, 1: 4 * MIB, 2: MIB, 3: MIB}
     spec = [("a", ("x",), 1, (), 0.1, 0), ("s", ("a",), 2, (1, 2), 10.0, 0), ("head", ("s",), 3, (2,), 1.0, 8 * MIB)]
-    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
-    for name, inputs, key, saved, ms, backward_peak in spec:
-        nodes.append(CostNode(name, "op", input_names=inputs, output_storages=(key,), saved_storages=saved,
-                              output_bytes=sizes[key], requires_grad=True, time_ms=ms,
-                              backward_peak_bytes=backward_peak, selective_save=keepable and name == "s"))
-    return CostGraph(tuple(nodes), tuple(Storage(k, size, k == 0) for k, size in sizes.items()), ("head",))
+    return _graph_of(sizes, spec, "s" if keepable else None)
 
 
 def test_a_node_outside_every_segment_holds_what_it_saved():
