@@ -57,6 +57,7 @@ from profiling.node_times import (
 )
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
+from profiling.segment_overhead import segment_overhead_ms
 from profiling.selective_overhead import selective_overhead_ms_per_node
 from profiling.temporaries import FakeAllocationTracker, NodePeaks, measure_node_peaks
 
@@ -130,8 +131,9 @@ def profile_graph(
     step's storages are rounded up to the CUDA caching allocator's blocks
     (:mod:`profiling.gpu_rules`). Tensors on the meta device (a
     model built under ``torch.device("meta")``) work in fake mode: nothing is ever allocated.
-    The per-node cost of a selective checkpoint policy is measured on the device
-    (:mod:`profiling.selective_overhead`); in fake mode it is unknown and taken as 0.
+    The per-node cost of a selective checkpoint policy (:mod:`profiling.selective_overhead`)
+    and each checkpointed segment's own cost (:mod:`profiling.segment_overhead`) are measured
+    on the device; in fake mode they are unknown and taken as 0.
 
     Progress goes to the ``profiling.progress`` logger at INFO (every tenth of the nodes and
     each phase); ``progress=True`` draws a tqdm bar instead when tqdm is installed.
@@ -207,6 +209,7 @@ def profile_graph(
         step_ms=step_ms,
         segment_overhead_bytes=_rng_state_bytes(device),
         selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
+        segment_overhead_ms=0.0 if fake else segment_overhead_ms(device),
         measured_peak_bytes=measured_peak_bytes,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
                   "computation_changes": list(gm.meta.get("computation_changes", ())), **timing},

@@ -86,10 +86,14 @@ class CheckpointedSegment:
         self.in_kept_node = False
 
     def __call__(self, *args: Any) -> Any:
+        # ``forward`` itself, not the module call: a recompute that stops early ends in an
+        # exception, and GraphModule's call wrapper walks its traceback through linecache on
+        # every one (docs/tuning.md#segment_overhead_ms); the module has no hooks to run
+        forward = self.graph_module.forward
         if not self.kept_nodes:
-            return self.graph_module(*args)
+            return forward(*args)
         self.in_kept_node = False  # a step that raised inside a kept node left it set
-        return self.graph_module(self, *args)
+        return forward(self, *args)
 
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if self.in_kept_node else CheckpointPolicy.PREFER_RECOMPUTE

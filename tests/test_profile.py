@@ -174,15 +174,18 @@ def test_warm_pass_node_times_leave_the_model_as_it_was():
     assert doctest.testmod(profiling.node_times).failed == 0
 
 
-def test_selective_policy_cost_is_measured_on_the_device():
+def test_selective_policy_and_segment_costs_are_measured_on_the_device():
     """The profile carries what a selective checkpoint policy adds per node (its Python
     dispatch mode runs every op): positive on a real run (about 20 us on a 2-core CPU, far
-    below a millisecond), zero in fake mode where nothing runs."""
+    below a millisecond), zero in fake mode where nothing runs; and the same for each
+    checkpointed segment's own cost."""
     model, inputs = small_mlp()
     measured = profile_graph(trace_module(model, inputs), inputs)
     assert 0.0 < measured.selective_overhead_ms_per_node < 1.0
     fake = profile_graph(trace_module(model, inputs), inputs, fake=True)
     assert fake.selective_overhead_ms_per_node == 0.0
+    # and what each checkpointed segment costs beyond its nodes (about 0.09 ms there)
+    assert 0.0 < measured.segment_overhead_ms < 2.0 and fake.segment_overhead_ms == 0.0
 
 
 def test_share_of_forward_after_the_last_save_is_measured():

@@ -83,7 +83,7 @@ def test_kept_nodes_and_skipped_nodes_are_not_recomputed():
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 14))
 def test_chain_costs_match_the_rule_on_every_run(seed, n):
-    g = random_dag(seed, n)
+    g = dataclasses.replace(random_dag(seed, n), segment_overhead_ms=0.25 * (seed % 2))
     names = [node.name for node in g.compute_nodes]
     costs = ChainCosts(g, names)
     for first in range(len(names)):
@@ -91,3 +91,16 @@ def test_chain_costs_match_the_rule_on_every_run(seed, n):
             time_ms, flops = rerun_cost(g, names[first : last + 1])
             assert costs.time_ms(first, last) == pytest.approx(time_ms, abs=1e-9)
             assert costs.flops(first, last) == flops
+
+
+def test_a_segment_that_recomputes_pays_the_checkpoint_once():
+    """``segment_overhead_ms`` is added once to every segment whose backward recomputes (it
+    saves something), whatever its length; a segment that saves nothing recomputes nothing."""
+    g = dataclasses.replace(random_dag(3, 6), segment_overhead_ms=0.5)
+    plain = dataclasses.replace(g, segment_overhead_ms=0.0)
+    names = [node.name for node in g.compute_nodes]
+    for last in range(len(names)):
+        run = names[: last + 1]
+        saves = any(g.node(name).saved_storages for name in run)
+        assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + (0.5 if saves else 0.0))
+        assert rerun_cost(g, run)[1] == rerun_cost(plain, run)[1]

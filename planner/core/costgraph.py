@@ -140,7 +140,9 @@ class CostGraph:
     backward besides tensors of the graph (the saved RNG state).
     ``selective_overhead_ms_per_node`` is the time a selective checkpoint policy adds to each
     node of a segment that keeps outputs, forward plus recompute (measured by
-    :mod:`profiling.selective_overhead`; 0 when unknown).
+    :mod:`profiling.selective_overhead`; 0 when unknown). ``segment_overhead_ms`` is the time
+    each segment that recomputes anything adds beyond its nodes' (the checkpoint call, its
+    hooks and the RNG state; measured by :mod:`profiling.segment_overhead`; 0 when unknown).
     """
 
     nodes: tuple[CostNode, ...]
@@ -150,6 +152,7 @@ class CostGraph:
     step_ms: float = 0.0
     segment_overhead_bytes: int = 0
     selective_overhead_ms_per_node: float = 0.0
+    segment_overhead_ms: float = 0.0
     measured_peak_bytes: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -138,7 +138,8 @@ def skipped_node_names(graph: CostGraph, node_names: Sequence[str], kept: Iterab
 def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] = ()) -> tuple[float, int]:
     """``(time_ms, flops)`` the recompute of the segment ``node_names`` spends: the nodes
     :func:`rerun_node_names` lists, the last saver only up to its last save (its time and FLOPs
-    shares before that save).
+    shares before that save), and, where anything is saved (so the backward recomputes),
+    ``graph.segment_overhead_ms``.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -149,7 +150,7 @@ def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] 
     """
     kept_names = set(kept)
     last = _last_saver(graph, node_names)
-    time_ms, flops = 0.0, 0
+    time_ms, flops = (graph.segment_overhead_ms if last >= 0 else 0.0), 0
     for i, name in enumerate(node_names[: last + 1]):
         if name in kept_names:
             continue
@@ -191,6 +192,7 @@ class ChainCosts:
         self._flops_share = [1.0 - after_last_save_fraction(graph, n) if n.saved_storages else 0.0 for n in nodes]
         self._time = [n.time_ms for n in nodes]
         self._flops = [n.flops for n in nodes]
+        self._segment_ms = graph.segment_overhead_ms
 
     def _last(self, first: int, last: int) -> int:
         saver = self._last_saver[last]
@@ -201,7 +203,8 @@ class ChainCosts:
         end = self._last(first, last)
         if end < 0:
             return 0.0
-        return self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._time_share[end]
+        return (self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._time_share[end]
+                + self._segment_ms)
 
     def flops(self, first: int, last: int) -> int:
         """Recomputed FLOPs of the run of positions ``first..last`` (inclusive)."""
