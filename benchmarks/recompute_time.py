@@ -42,7 +42,8 @@ with every checkpointed segment's calls timed by the wall clock: the forward cal
 recompute that non-reentrant checkpoint makes inside the backward (which stops at the
 segment's last saved tensor, see [Recompute cost](../design.md#recompute-cost)). Each segment's
 median is set against the profile's prediction (its summed node times, and
-`Segment.recompute_ms`). The totals give the measured recompute against the predicted one, and
+`Segment.recompute_ms`, which includes each segment's own cost, `segment_overhead_ms`:
+[tuning.md](../tuning.md#segment_overhead_ms)). The totals give the measured recompute against the predicted one, and
 the step time as a ratio to the unoptimized model (interleaved repeats, median, one thread).
 The step's extra time beyond the measured recompute is checkpoint's own cost (saving RNG
 state, hooks, allocations) and noise.
