@@ -229,7 +229,7 @@ class _CoveringModel:
         may_keep = frozenset(n.name for n in graph.compute_nodes if n.selective_save or released) \
             if kept_outputs else frozenset()
         # what each moment can free (planner.bounds.saver_holds)
-        self.freed = FreedStorages(graph, uses, self.prob, self.x, may_keep)
+        self.freed = FreedStorages(uses, self.prob, self.x, may_keep)
         self.holds = BackwardHolds(
             graph, uses, self.prob, self.x, may_keep=may_keep,
             policy_ms_per_node=graph.selective_overhead_ms_per_node if objective == "time" and not released else 0.0,

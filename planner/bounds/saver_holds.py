@@ -31,9 +31,9 @@ Example:
     >>> prob = pulp.LpProblem("freed", pulp.LpMinimize)
     >>> x = {n: prob.add_variable(f"rerun_{n}", cat=pulp.LpBinary) for n in ("proj", "attn", "head")}
     >>> at_head = ("backward", "head", 3)   # attn's output is read there; proj's is freeable
-    >>> [str(v) for _, v in FreedStorages(g, StorageUses(g), prob, x).terms(*at_head)]
+    >>> [str(v) for _, v in FreedStorages(StorageUses(g), prob, x).terms(*at_head)]
     ['freed_1_by_attn']
-    >>> [str(v) for _, v in FreedStorages(g, StorageUses(g), prob, x, frozenset({"attn"})).terms(*at_head)]
+    >>> [str(v) for _, v in FreedStorages(StorageUses(g), prob, x, frozenset({"attn"})).terms(*at_head)]
     ['rerun_proj']
 """
 
@@ -42,8 +42,6 @@ from __future__ import annotations
 import pulp
 
 from planner.bounds.storage_uses import StorageUses
-from planner.core.costgraph import CostGraph
-from planner.core.rerun import after_last_save_fraction
 
 __all__ = ["FreedStorages"]
 
@@ -57,14 +55,13 @@ class FreedStorages:
     set of holding savers, created once and shared by the moments that need it.
     """
 
-    def __init__(self, graph: CostGraph, uses: StorageUses, prob: pulp.LpProblem,
+    def __init__(self, uses: StorageUses, prob: pulp.LpProblem,
                  rerun: dict[str, pulp.LpVariable], may_keep: frozenset[str] = frozenset()) -> None:
         self.uses = uses
         self.prob = prob
         self.rerun = rerun
         #: savers that may be in a segment without running again: never forced to
-        self._exempt = may_keep | {name for name in uses.rerunnable
-                                   if after_last_save_fraction(graph, graph.node(name)) >= 1.0}
+        self._exempt = may_keep | uses.stop_before
         self._freed: dict[tuple[int, tuple[str, ...]], pulp.LpVariable] = {}
 
     def terms(self, phase: str, name: str, here: int) -> list[tuple[float, pulp.LpVariable]]:

@@ -71,7 +71,6 @@ from planner.bounds.covering import (
 )
 from planner.bounds.storage_uses import StorageUses
 from planner.core.costgraph import CostGraph, CostNode
-from planner.core.rerun import after_last_save_fraction
 from planner.solvers.stage_ilp import available_solvers
 from planner.core.simulate import SimulationResult
 
@@ -87,7 +86,6 @@ class _SegmentCoveringModel:
                  max_moments: int, kept_outputs: bool) -> None:
         uses = StorageUses(graph)
         self.uses = uses
-        self.graph = graph
         compute = list(graph.compute_nodes)
         self.rank = {n.name: i for i, n in enumerate(compute)}
         runs_backward = {name for phase, name, _ in unoptimized.timeline if phase == "backward"}
@@ -159,7 +157,7 @@ class _SegmentCoveringModel:
                     prob += (together <= x[between.name] + self.kept.get(between.name, 0),
                              f"contiguous_{k}_to_{saver}_reruns_{b}")
             saver_name = compute[saver].name
-            if after_last_save_fraction(self.graph, compute[saver]) < 1.0:
+            if saver_name not in self.uses.stop_before:
                 # a saver outside its segments holds what it saved (planner.bounds.saver_holds)
                 prob += (together <= x[saver_name] + self.kept.get(saver_name, 0),
                          f"contiguous_{k}_to_{saver}_saver_reruns")

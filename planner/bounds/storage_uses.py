@@ -17,6 +17,7 @@ from __future__ import annotations
 import pulp
 
 from planner.core.costgraph import MIB, CostGraph
+from planner.core.rerun import after_last_save_fraction
 
 __all__ = ["StorageUses"]
 
@@ -49,6 +50,10 @@ class StorageUses:
                 self.last_use[k] = max(self.last_use.get(k, i), i)
         self.inputs_of = {n.name: {k for name in n.input_names for k in values[name]} for n in graph.nodes}
         self.rerunnable = {n.name for n in graph.compute_nodes if n.recomputable}
+        #: rerunnable nodes that save only their inputs: a recompute ending at one stops before
+        #: running it, so it may sit in a segment without running again
+        self.stop_before = {name for name in self.rerunnable
+                            if after_last_save_fraction(graph, graph.node(name)) >= 1.0}
         #: storage -> the rerunnable nodes reading it
         self.readers: dict[int, list[str]] = {}
         for n in graph.compute_nodes:
