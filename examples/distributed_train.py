@@ -201,17 +201,23 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()  # leave together: a rank tearing gloo down while another still talks aborts
     finally:
         dist.destroy_process_group()
+    # Every rank has finished and destroyed its process group. Leave from here, before this
+    # frame's locals are freed, and without C++ static destructors: DDP and FSDP keep their gloo
+    # process group, and its threads, alive after destroy_process_group (torch 2.13: three gloo
+    # threads per rank at exit, also for a plain DDP model). Freeing the DDP wrapper then destroys
+    # that group, whose destructor joins those threads; in CI a rank hung there for good once the
+    # other had left (its stack: Reducer -> ProcessGroupGloo destructor -> thread join), and a
+    # finished run aborted at exit once ("terminate called without an active exception"). An
+    # error above exits the usual way.
+    _exit_now()
 
 
-if __name__ == "__main__":
-    main()
-    # Every rank has finished and destroyed its process group. Leave without running C++ static
-    # destructors: DDP and FSDP keep their gloo process group, and its threads, alive after
-    # destroy_process_group (measured with torch 2.13: three gloo threads per rank at exit, also
-    # for a plain DDP model), and a finished run aborted at exit once in CI ("terminate called
-    # without an active exception"), as the DDP error test's workers had before they left this
-    # way too. An error in main() exits the usual way.
+def _exit_now() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
