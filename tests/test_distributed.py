@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,11 +48,30 @@ def env() -> dict[str, str]:
     return out
 
 
+#: Seconds one torchrun of the example may take (about 10 s on a 2-core CPU).
+TORCHRUN_TIMEOUT_S = 300
+
+
 def torchrun(mode: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(EXAMPLE), "--mode", mode, "--out", str(out), *ARGS]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # --standalone: the rendezvous binds its own free port, so two runs on parallel test
+    # workers cannot pick the same one between a probe and the bind
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE), "--mode", mode, "--out", str(out), *ARGS]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # every process of the run prints its Python stacks on SIGABRT (PYTHONFAULTHANDLER)
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun --mode {mode} ran past {TORCHRUN_TIMEOUT_S} s; its output and stacks:\n"
+                    + stdout[-3000:] + stderr[-12000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
 
