@@ -42,7 +42,7 @@ for _path in (ROOT, ROOT / "examples"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from profiling import StepInputs, run_step  # noqa: E402
+from profiling import StepInputs, TrainingStep, run_step  # noqa: E402
 from publish import DOCS_DIR, command_line, publish_doc, tee_stdout  # noqa: E402
 
 __all__ = [
@@ -72,40 +72,44 @@ def _zero_grads(module: torch.nn.Module) -> None:
     module.zero_grad(set_to_none=True)
 
 
-def step_seconds(module: torch.nn.Module, inputs: StepInputs, device: torch.device) -> float:
-    """Wall time of one forward plus backward (gradients cleared first, not timed)."""
+def step_seconds(module: torch.nn.Module, inputs: StepInputs, device: torch.device,
+                 step: TrainingStep = TrainingStep()) -> float:
+    """Wall time of one forward plus backward as ``step`` runs it (the output's loss by default;
+    gradients cleared first, not timed)."""
     _zero_grads(module)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
         start.record()
-        output = run_step(module, inputs)
+        output = run_step(module, inputs, step)
         end.record()
         torch.cuda.synchronize(device)
         del output
         return start.elapsed_time(end) / 1000.0
     t0 = time.perf_counter()
-    output = run_step(module, inputs)
+    output = run_step(module, inputs, step)
     elapsed_s = time.perf_counter() - t0
     del output
     return elapsed_s
 
 
 def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, repeats: int,
-                     device: torch.device | str = "cpu", warmup: int = 1) -> list[float]:
+                     device: torch.device | str = "cpu", warmup: int = 1,
+                     step: TrainingStep = TrainingStep()) -> list[float]:
     """Median over ``repeats`` of each module's step time divided by ``modules[0]``'s.
 
     Every repeat runs each module's step once, in order (interleaved), so slow phases of a shared
     machine hit all modules alike. ``warmup`` untimed rounds run first. Gradients are cleared
-    before each step and after the last.
+    before each step and after the last. ``step`` is the training step timed (a criterion
+    outside the model: ``TrainingStep(loss_fn=...)``).
     """
     device = torch.device(device)
     for _ in range(warmup):
         for module in modules:
-            step_seconds(module, inputs, device)
+            step_seconds(module, inputs, device, step)
     ratios: list[list[float]] = [[] for _ in modules]
     for _ in range(repeats):
-        times_s = [step_seconds(module, inputs, device) for module in modules]
+        times_s = [step_seconds(module, inputs, device, step) for module in modules]
         for i, t in enumerate(times_s):
             ratios[i].append(t / times_s[0])
     for module in modules:
