@@ -51,7 +51,7 @@ MEASURED_FIT_TOLERANCE = 0.03
 
 def plan_fitting_on_measurement(gm: Any, example_inputs: Any, refusal: InfeasibleBudgetError, options: PlanOptions,
                                 plan_at: Callable[[float, PlanOptions], Plan], *,
-                                grads_held: bool = False) -> tuple[Any, Plan] | None:
+                                grads_held: bool = False, step: Any = None) -> tuple[Any, Plan] | None:
     """A rewritten copy of ``gm`` and its plan whose measured step peak is within
     ``refusal.budget_bytes`` (less ``options.reserve_gb``), or None where no candidate is.
 
@@ -60,9 +60,10 @@ def plan_fitting_on_measurement(gm: Any, example_inputs: Any, refusal: Infeasibl
     the cheapest plan predicted to fit the room, then the plan of the smallest predicted peak.
     None at once where that peak is more than :data:`MEASURED_FIT_TOLERANCE` above the room, for
     a sharded plan (``world_size`` > 1: one process measures no per-rank peak) and for a step
-    with gradients already held.
+    with gradients already held. ``step`` (a :class:`profiling.measure.TrainingStep`; None: the
+    default) is the training step measured.
     """
-    from profiling.measure import StepInputs, measure_step_peak_bytes
+    from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
     from rewrite.segments import apply_plan, module_copy
 
     if grads_held or options.world_size > 1:
@@ -87,7 +88,7 @@ def plan_fitting_on_measurement(gm: Any, example_inputs: Any, refusal: Infeasibl
             continue
         tried.add(plan.segments)
         candidate = apply_plan(module_copy(gm), plan)
-        measured_bytes = measure_step_peak_bytes(candidate, inputs)
+        measured_bytes = measure_step_peak_bytes(candidate, inputs, step if step is not None else TrainingStep())
         log.info("plan predicted at %.4f GiB measured %.4f GiB against a room of %.4f GiB",
                  plan.predicted_peak_bytes / GIB, measured_bytes / GIB, room_bytes / GIB)
         if measured_bytes <= room_bytes:

@@ -52,31 +52,33 @@ def _budget_for(peak_bytes: int, options: PlanOptions) -> int:
 
 
 def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                 timing_repeats: int = 2) -> Any:
+                 timing_repeats: int = 2, step: Any = None) -> Any:
     """Plan ``model`` at module granularity for ``budget_gb`` and return the checkpointed module
     (:class:`rewrite.module_checkpoint.ModuleCheckpointedModule`) whose measured step peak is
-    within the budget.
+    within the budget. ``step`` (a :class:`profiling.measure.TrainingStep`; None: the default)
+    is the training step profiled and measured.
 
     Raises:
         InfeasibleBudgetError: no plan over the model's submodule calls fits; the message names
             the smallest budget the module path met.
     """
     from planner.pipeline import plan_for_budget
-    from profiling.measure import StepInputs
+    from profiling.measure import StepInputs, TrainingStep
     from profiling.module_costgraph import module_cost_graph
     from profiling.module_profile import profile_modules
 
+    step = step if step is not None else TrainingStep()
     budget_bytes = check_budget_gb(budget_gb)
     room_bytes = budget_bytes - options.reserve_bytes
     inputs = StepInputs.from_example(example_inputs)
-    graph = module_cost_graph(profile_modules(model, inputs, timing_repeats=timing_repeats))
+    graph = module_cost_graph(profile_modules(model, inputs, timing_repeats=timing_repeats, step=step))
     solved_on = graph
     for attempt in range(MAX_TIGHTENINGS + 1):
         try:
             plan = plan_for_budget(solved_on, budget_gb, options)
         except InfeasibleBudgetError as exc:
-            return _smallest_fitting(model, inputs, graph, options, exc, budget_bytes)
-        opt, measured = _applied(model, inputs, graph, plan)
+            return _smallest_fitting(model, inputs, graph, options, exc, budget_bytes, step)
+        opt, measured = _applied(model, inputs, graph, plan, step)
         if measured <= room_bytes:
             log.info("module plan: %d of %d units checkpointed, measured peak %.4f GiB of %.4f GiB budget",
                      len(opt.checkpointed), sum(n.recomputable for n in graph.compute_nodes), measured / GIB,
@@ -87,17 +89,17 @@ def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: Pla
                     "again with %.1f MiB more held (%d of %d)", measured / GIB, budget_bytes / GIB,
                     plan.predicted_peak_bytes / GIB, over / 2**20, attempt + 1, MAX_TIGHTENINGS)
         solved_on = _holding(solved_on, over)
-    return _smallest_fitting(model, inputs, graph, options, None, budget_bytes)
+    return _smallest_fitting(model, inputs, graph, options, None, budget_bytes, step)
 
 
-def _applied(model: Any, inputs: Any, graph: CostGraph, plan: Plan) -> tuple[Any, int]:
+def _applied(model: Any, inputs: Any, graph: CostGraph, plan: Plan, step: Any) -> tuple[Any, int]:
     """The checkpointed module for ``plan`` and its measured step peak."""
     from profiling.measure import measure_step_peak_bytes
     from rewrite.module_checkpoint import ModuleCheckpointedModule
 
     plan = dataclasses.replace(plan, capture="modules")
     opt = ModuleCheckpointedModule(model, plan, _checkpointed_paths(graph, plan), cost_graph=graph)
-    return opt, measure_step_peak_bytes(opt, inputs)
+    return opt, measure_step_peak_bytes(opt, inputs, step)
 
 
 def _every_unit_plan(graph: CostGraph, budget_bytes: int) -> Plan:
@@ -114,7 +116,7 @@ def _every_unit_plan(graph: CostGraph, budget_bytes: int) -> Plan:
 
 
 def _smallest_fitting(model: Any, inputs: Any, graph: CostGraph, options: PlanOptions,
-                      exc: InfeasibleBudgetError | None, budget_bytes: int) -> Any:
+                      exc: InfeasibleBudgetError | None, budget_bytes: int, step: Any) -> Any:
     """Where no solved plan was measured within the budget: the solver's smallest-peak plan
     (the module-level replay holds a unit's saved tensors through its whole backward, so it can
     overestimate; measured, that plan may fit) or every unit checkpointed, whichever is measured
@@ -132,7 +134,7 @@ def _smallest_fitting(model: Any, inputs: Any, graph: CostGraph, options: PlanOp
     candidates.append(_every_unit_plan(graph, budget_bytes))
     measured_bytes = []
     for plan in candidates:
-        opt, measured = _applied(model, inputs, graph, plan)
+        opt, measured = _applied(model, inputs, graph, plan, step)
         if measured <= budget_bytes - options.reserve_bytes:
             log.info("module plan: %s, predicted %.4f GiB but measured %.4f GiB of %.4f GiB budget",
                      "the smallest-peak plan" if plan.solver != "every unit" else "every unit checkpointed",

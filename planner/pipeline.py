@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from planner.core.costgraph import (
@@ -30,14 +31,17 @@ from planner.core.costgraph import (
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
 from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.closed_loop import measured_plan
 from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from profiling.progress import heartbeat
 from profiling.trace import TRACE_METHODS, trace_module
 from profiling.validate import check_model_and_inputs
 from rewrite.apply import CheckpointedModule, apply_plan
+from rewrite.segments import module_copy
 
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
@@ -114,6 +118,13 @@ class CaptureOptions:
     progress: bool = False
     simplify_attention_masks: bool = False
     chunk_loss: bool = False
+    loss_fn: Callable[[Any], Any] | None = None
+    output_held: bool = False
+
+    @property
+    def step(self) -> TrainingStep:
+        """The training step profiled, planned for and measured."""
+        return TrainingStep(self.loss_fn, self.output_held)
 
     def __post_init__(self) -> None:
         if self.trace_method not in CAPTURE_METHODS:
@@ -121,6 +132,11 @@ class CaptureOptions:
         if isinstance(self.timing_repeats, bool) or not isinstance(self.timing_repeats, int) or \
                 self.timing_repeats < 1:
             raise InputError(f"timing_repeats must be a positive integer, got {self.timing_repeats!r}")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise InputError(f"loss_fn must be a callable taking the model's output and returning the loss, "
+                             f"got {type(self.loss_fn).__name__}")
+        if not isinstance(self.output_held, bool):
+            raise InputError(f"output_held must be True or False, got {self.output_held!r}")
 
 
 def optimize(
@@ -143,6 +159,8 @@ def optimize(
     max_solve_s: float | None = None,
     simplify_attention_masks: bool = False,
     chunk_loss: bool = False,
+    loss_fn: Callable[[Any], Any] | None = None,
+    output_held: bool = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -207,6 +225,17 @@ def optimize(
             gradients are ``allclose`` (rtol 1e-5 in float32), not bit for bit (opt-in;
             ``plan.computation_changes`` says when it is used). Default off: an infeasible
             budget that it would reach says so in the error, with the lower floor.
+        loss_fn: the criterion the training loop applies to the module's output
+            (``lambda out: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())``), profiled
+            and measured as part of the step: what it saves for the backward counts. None
+            (default): the output's ``loss`` field (``model(**batch).loss``), else the sum of
+            its floating-point outputs.
+        output_held: the training loop keeps the module's output alive through the backward
+            (``out = opt(x); criterion(out, y).backward(); log(out)``), so its tensors count
+            until the step ends. False (default): the output is dropped once the loss is taken,
+            as in ``criterion(opt(x), y).backward()``, ``model(**batch).loss.backward()`` and
+            the HF Trainer; a module planned so warns once if a loop holds the output anyway
+            (docs/memory.md).
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -231,10 +260,11 @@ def optimize(
                            max_solve_s=max_solve_s)
     capture = CaptureOptions(trace_method=trace_method, timing_repeats=timing_repeats, cache_dir=cache_dir,
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
-                             chunk_loss=chunk_loss)
+                             chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
     if capture.trace_method == "modules":
-        return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats)
+        return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                            step=capture.step)
     replan = Replanner(budget_gb, planning, capture)
     try:
         gm, plan, graph = replan(model, example_inputs)
@@ -243,7 +273,8 @@ def optimize(
         log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
                     "trace_method='modules' skips the capture)", first_line)
         try:
-            return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats)
+            return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                                step=capture.step)
         except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
             raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
@@ -282,7 +313,8 @@ class Replanner:
 
         def profile(captured: Any) -> CostGraph:
             return cached_profile_graph(captured, example_inputs, self.capture.cache_dir,
-                                        timing_repeats=self.capture.timing_repeats, progress=self.capture.progress)
+                                        timing_repeats=self.capture.timing_repeats, progress=self.capture.progress,
+                                        step=self.capture.step)
 
         def plan_at(profiled: CostGraph, budget_gb: float | None) -> Plan:
             budget = self.budget_gb if budget_gb is None else budget_gb + self.planning.reserve_gb
@@ -300,16 +332,39 @@ class Replanner:
                 fitted = plan_fitting_on_measurement(
                     gm, example_inputs, refusal, self.planning,
                     lambda budget_gb, options: plan_for_budget(graph, budget_gb, options, grads_held=grads_held),
-                    grads_held=grads_held)
+                    grads_held=grads_held, step=self.capture.step)
                 if fitted is None:
                     raise
                 log.info("plan: measured peak %.3f GiB of %.3f GiB budget (predicted %.3f GiB), %d segments",
                          fitted[1].measured_peak_bytes / GIB, fitted[1].budget_bytes / GIB,
                          fitted[1].predicted_peak_bytes / GIB, len(fitted[1].segments))
                 return fitted[0], fitted[1], graph
+        if not grads_held and self.planning.world_size == 1 and graph.metadata.get("mode") == "measured":
+            module, plan = self._measured(gm, plan, graph, example_inputs)
+            log.info("plan: measured peak %.3f GiB of %.3f GiB budget (predicted %.3f GiB), %d segments",
+                     plan.measured_peak_bytes / GIB, plan.budget_bytes / GIB, plan.predicted_peak_bytes / GIB,
+                     len(plan.segments))
+            return (module if module is not None else apply_plan(gm, plan)), plan, graph
         log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
+
+    def _measured(self, gm: Any, plan: Plan, graph: CostGraph, example_inputs: Any) -> tuple[Any, Plan]:
+        """``plan`` checked by measuring its step on the device (:mod:`planner.closed_loop`)."""
+        inputs = StepInputs.from_example(example_inputs)
+        room_bytes = plan.budget_bytes - self.planning.reserve_bytes
+        margin_bytes = int(room_bytes * self.planning.safety_margin)
+
+        def measure(candidate: Plan) -> tuple[Any, int]:
+            module = apply_plan(module_copy(gm), candidate)
+            return module, measure_step_peak_bytes(module, inputs, self.capture.step)
+
+        def resolve(held_bytes: int, extra_room_bytes: int) -> Plan:
+            budget_gb = self.budget_gb + extra_room_bytes / (1 - self.planning.safety_margin) / GIB
+            solved = plan_for_budget(with_held_bytes(graph, held_bytes), budget_gb, self.planning)
+            return dataclasses.replace(solved, budget_bytes=plan.budget_bytes)
+
+        return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes)
 
     def solve(self, graph: CostGraph, grads_held: bool = False, keep: frozenset[str] = frozenset(),
               extra_bytes: int = 0) -> Plan:
@@ -319,8 +374,21 @@ class Replanner:
         if keep:
             graph = dataclasses.replace(graph, nodes=tuple(
                 dataclasses.replace(n, recomputable=False) if n.name in keep else n for n in graph.nodes))
-        if extra_bytes > 0:
-            key = max((st.key for st in graph.storages), default=-1) + 1
-            graph = dataclasses.replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
-                                        measured_peak_bytes=None)
-        return plan_for_budget(graph, self.budget_gb, self.planning, grads_held=grads_held)
+        return plan_for_budget(with_held_bytes(graph, extra_bytes), self.budget_gb, self.planning,
+                               grads_held=grads_held)
+
+
+def with_held_bytes(graph: CostGraph, extra_bytes: int) -> CostGraph:
+    """``graph`` with ``extra_bytes`` more held all step (one persistent storage), or ``graph``
+    itself for none.
+
+    Example:
+        >>> g = CostGraph((), (Storage(0, 8, True),))
+        >>> with_held_bytes(g, 100).persistent_bytes
+        108
+    """
+    if extra_bytes <= 0:
+        return graph
+    key = max((st.key for st in graph.storages), default=-1) + 1
+    return dataclasses.replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
+                               measured_peak_bytes=None)

@@ -5,12 +5,13 @@
 validate predictions.
 """
 
-from profiling.measure import StepInputs, measure_step_flops, measure_step_peak_bytes, run_step
+from profiling.measure import StepInputs, TrainingStep, measure_step_flops, measure_step_peak_bytes, run_step
 from profiling.profile import profile_graph
 from profiling.trace import trace_module
 
 __all__ = [
     "StepInputs",
+    "TrainingStep",
     "trace_module",
     "profile_graph",
     "run_step",

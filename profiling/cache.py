@@ -37,18 +37,19 @@ import torch.fx
 from planner.core.costgraph import CostGraph, CostNode, Storage
 from planner.core.errors import ProfileError
 from profiling import profile
-from profiling.measure import StepInputs
+from profiling.measure import StepInputs, TrainingStep
 
 __all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cached_profile_graph"]
 
 log = logging.getLogger(__name__)
 
 #: Bumped when the meaning of a profile changes without a change of its fields.
-CACHE_VERSION = 8  # 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction; 7: fake profiles for a GPU target save what CUDA's kernels save; 8: CostNode.backward_late_scratch_bytes, and fake GPU profiles count a reduction's scratch
+CACHE_VERSION = 9  # 9: CostGraph.output_held and the criterion node of a loss taken outside the graph; 2: CostNode.selective_save marks every node a selective policy can keep; 3: node times from warm passes; 4: CUDA node times with the forward queued ahead; 5: CostNode.after_last_save_fraction; 6: CostNode.after_last_save_time_fraction; 7: fake profiles for a GPU target save what CUDA's kernels save; 8: CostNode.backward_late_scratch_bytes, and fake GPU profiles count a reduction's scratch
 #: Versions :func:`load_profile` reads: their files have this version's fields but
 #: ``backward_late_scratch_bytes``, which reads as 0 (none known, the simulator's reading of a
-#: measured profile), so saved profiles such as the H100 ones load.
-READABLE_CACHE_VERSIONS = (6, 7, 8)
+#: measured profile), and ``output_held``, which reads as True (those steps held the output
+#: through the backward), so saved profiles such as the H100 ones load.
+READABLE_CACHE_VERSIONS = (6, 7, 8, 9)
 
 
 def _schema() -> str:
@@ -63,7 +64,8 @@ def _describe(t: Any) -> str:
     return repr(t) if isinstance(t, (int, float, bool, str, type(None))) else type(t).__name__
 
 
-def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = False, target: str = "cpu") -> str:
+def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = False, target: str = "cpu",
+                step: TrainingStep = TrainingStep()) -> str:
     """SHA-256 hex digest naming the profile of ``gm`` on ``example_inputs`` (see module docs).
 
     Example:
@@ -85,6 +87,7 @@ def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = F
         f"torch={torch.__version__}",
         f"mode={'fake' if fake else 'measured'}",
         f"target={target.lower()}",
+        f"step={step.describe()}",
         gm.code,
     ]
     parts += [f"param {n} {_describe(p)}" for n, p in gm.named_parameters(remove_duplicate=False)]
@@ -177,12 +180,13 @@ def cached_profile_graph(
 
     A hit returns the stored profile without running anything (its ``metadata["cache"]`` is
     ``"hit"``); a miss profiles and stores it. An unreadable file is logged and profiled again.
-    ``profile_kwargs`` go to ``profile_graph``; ``fake`` and ``target`` are part of the key.
+    ``profile_kwargs`` go to ``profile_graph``; ``fake``, ``target`` and ``step`` are part of the key.
     """
     if cache_dir is None:
         return profile.profile_graph(gm, example_inputs, **profile_kwargs)
     key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
-                      target=str(profile_kwargs.get("target", "cpu")))
+                      target=str(profile_kwargs.get("target", "cpu")),
+                      step=profile_kwargs.get("step", TrainingStep()))
     path = Path(cache_dir) / f"{key}.json"
     if path.exists():
         try:

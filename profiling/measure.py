@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "device_of",
     "flat_graph_inputs",
     "loss_of",
+    "TrainingStep",
     "run_step",
     "unflatten_output",
     "measure_step_peak_bytes",
@@ -127,11 +128,62 @@ def unflatten_output(gm: torch.nn.Module, flat_out: Any) -> Any:
     return tree_unflatten(leaves, out_spec)
 
 
-def run_step(module: torch.nn.Module, inputs: StepInputs) -> Any:
-    """Forward plus backward once; returns the module's output (held until the step ends)."""
-    output = module(*inputs.args, **inputs.kwargs)
-    loss_of(output).backward()
-    return output
+@dataclass(frozen=True)
+class TrainingStep:
+    """One training step as the user's loop runs it: the loss taken from the module's output,
+    the output dropped once the loss is taken (unless ``output_held``), then the backward.
+
+    ``loss_fn`` maps the module's output to the scalar the backward starts from (a criterion
+    outside the model: ``lambda out: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())``);
+    None takes the output's ``loss`` field, else the sum of its floating-point outputs
+    (:func:`loss_of`). ``output_held`` is for loops that keep the output alive through the
+    backward (``out = model(x); loss = crit(out); loss.backward(); log(out)``): its tensors are
+    then held until the step ends.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> step = TrainingStep(loss_fn=lambda out: out.pow(2).mean())
+        >>> step.run(model, StepInputs.from_example((torch.randn(2, 4),))) is None   # output dropped
+        True
+        >>> model.weight.grad is not None
+        True
+    """
+
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    output_held: bool = False
+
+    def loss(self, output: Any) -> torch.Tensor:
+        """The scalar the backward starts from, for the module's ``output``."""
+        if self.loss_fn is None:
+            return loss_of(output)
+        loss = self.loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            what = (f"a tensor of shape {tuple(loss.shape)} (requires_grad={loss.requires_grad})"
+                    if isinstance(loss, torch.Tensor) else type(loss).__name__)
+            raise PlannerError(f"loss_fn must return a one-element tensor that requires grad, got {what}: "
+                               f"return the criterion's scalar (e.g. F.cross_entropy(out.logits, y))")
+        return loss.reshape(()) if loss.dim() else loss
+
+    def run(self, module: torch.nn.Module, inputs: StepInputs) -> Any:
+        """Forward plus backward once; the module's output when ``output_held``, else None
+        (the output is dropped before the backward, as the user's loop drops it)."""
+        output = module(*inputs.args, **inputs.kwargs)
+        loss = self.loss(output)
+        if not self.output_held:
+            output = None
+        loss.backward()
+        return output
+
+    def describe(self) -> str:
+        """A few words for logs and reports: which loss, and whether the output is held."""
+        loss = "the output's loss" if self.loss_fn is None else f"loss_fn {getattr(self.loss_fn, '__qualname__', 'callable')}"
+        return f"{loss}, output {'held through' if self.output_held else 'freed before'} the backward"
+
+
+def run_step(module: torch.nn.Module, inputs: StepInputs, step: TrainingStep = TrainingStep()) -> Any:
+    """Forward plus backward once, as ``step`` says; returns the module's output when the step
+    holds it, else None."""
+    return step.run(module, inputs)
 
 
 @contextlib.contextmanager
@@ -209,8 +261,9 @@ def memory_profile() -> Iterator[torch.profiler.profile]:
             prof.stop()
 
 
-def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
-    """Peak bytes of one forward plus backward, measured at the allocator.
+def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs, step: TrainingStep = TrainingStep()) -> int:
+    """Peak bytes of one forward plus backward (``step``: the loss, and whether the output is
+    held through the backward), measured at the allocator.
 
     RNG state, buffers and existing ``.grad`` are restored afterwards.
     """
@@ -222,18 +275,18 @@ def measure_step_peak_bytes(module: torch.nn.Module, inputs: StepInputs) -> int:
             # was allocated before it, plus this module's parameters, buffers and inputs. An
             # unmeasured step first: a process's first matmuls allocate cuBLAS workspaces that
             # stay for good and are no tensor of this step.
-            run_step(module, inputs)
+            run_step(module, inputs, step)
             for p in module.parameters():
                 p.grad = None
             torch.cuda.synchronize(device)
             allocated_before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            output = run_step(module, inputs)
+            output = run_step(module, inputs, step)
             del output
             torch.cuda.synchronize(device)
             return baseline + int(torch.cuda.max_memory_allocated(device)) - allocated_before
         with memory_profile() as prof:
-            output = run_step(module, inputs)
+            output = run_step(module, inputs, step)
             del output
         return baseline + _running_peak_bytes(prof)
 
@@ -290,13 +343,13 @@ def _running_peak_bytes(prof: torch.profiler.profile) -> int:
     return peak
 
 
-def measure_step_flops(module: torch.nn.Module, inputs: StepInputs) -> int:
+def measure_step_flops(module: torch.nn.Module, inputs: StepInputs, step: TrainingStep = TrainingStep()) -> int:
     """FLOPs of one forward plus backward as ``FlopCounterMode`` counts them."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with preserved_state(module):
         counter = FlopCounterMode(display=False)
         with counter:
-            output = run_step(module, inputs)
+            output = run_step(module, inputs, step)
             del output
         return int(counter.get_total_flops())

@@ -88,6 +88,7 @@ def module_cost_graph(profile: ModuleProfile) -> CostGraph:
                      if key in producer or key in profile.persistent)
     graph = CostGraph(tuple(nodes), storages, output_names=outputs or (f"glue_{len(units)}",),
                       step_ms=profile.step_ms, measured_peak_bytes=profile.measured_peak_bytes,
+                      output_held=profile.output_held,
                       metadata={"capture": "modules"})
     return _calibrated(graph)
 

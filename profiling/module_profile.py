@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from planner.core.errors import PlannerError, ProfileError
-from profiling.measure import StepInputs, loss_of, measure_step_peak_bytes, preserved_state
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
 
 __all__ = ["ModuleCall", "ModuleUnit", "ModuleProfile", "profile_modules", "choose_units", "unit_node_name"]
 
@@ -83,6 +83,7 @@ class ModuleProfile:
     unit_param_keys: dict[int, tuple[int, ...]]
     step_ms: float
     measured_peak_bytes: int
+    output_held: bool = True
 
 
 def unit_node_name(unit: ModuleUnit) -> str:
@@ -230,7 +231,8 @@ def choose_units(model: torch.nn.Module, calls: list[ModuleCall]) -> tuple[Modul
                  for i in chosen)
 
 
-def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2) -> ModuleProfile:
+def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2,
+                    step: TrainingStep = TrainingStep()) -> ModuleProfile:
     """Run ``timing_repeats`` + 1 training steps of ``model`` with module and saved-tensor hooks,
     without side effects (RNG, buffers, ``.grad`` restored); the first records the call tree and
     storages, all of them each unit's forward time (median).
@@ -252,7 +254,14 @@ def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repea
             try:
                 with _hooked(model, recorder):
                     output = model(*inputs.args, **inputs.kwargs)
-                loss_of(output).backward()
+                loss = step.loss(output)
+                if not recorders:
+                    root_output_keys = recorder.tensor_keys(
+                        output if not hasattr(output, "to_tuple") else output.to_tuple())
+                if not step.output_held:
+                    output = None
+                loss.backward()
+                del loss
             except PlannerError:
                 raise
             except Exception as exc:  # the model's own failure, whatever its type: one line naming it
@@ -260,9 +269,6 @@ def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repea
                 raise ProfileError(f"one training step of {type(model).__name__} failed when run eagerly: "
                                    f"{type(exc).__name__}: {first_line}") from exc
             step_ms.append((time.perf_counter() - start) * 1e3)
-            if not recorders:
-                root_output_keys = recorder.tensor_keys(
-                    output if not hasattr(output, "to_tuple") else output.to_tuple())
             del output
             recorder.held.clear()
             recorders.append(recorder)
@@ -297,8 +303,9 @@ def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repea
                                     if (f"{u.path}.{n}" if u.path else n) in param_keys))
         for u in units
     }
-    measured = measure_step_peak_bytes(model, inputs)
+    measured = measure_step_peak_bytes(model, inputs, step)
     log.info("profiled %s at module granularity: %d module calls, %d units (%d checkpointable)",
              type(model).__name__, len(first.calls), len(units), sum(u.checkpointable for u in units))
     return ModuleProfile(first.calls, units, first.storage_bytes, persistent, first.saves, root_output_keys,
-                         param_keys, unit_param_keys, statistics.median(step_ms[1:] or step_ms), measured)
+                         param_keys, unit_param_keys, statistics.median(step_ms[1:] or step_ms), measured,
+                         step.output_held)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from profiling.measure import loss_of, preserved_state, unflatten_output
+from profiling.measure import TrainingStep, preserved_state, unflatten_output
 
 __all__ = ["NodeTimes", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda", "pass_spread",
            "TIMING_SPREAD_LIMIT", "MAX_TIMING_PASSES"]
@@ -153,7 +153,8 @@ def _medians(values: dict[str, list[float]]) -> dict[str, float]:
 
 
 def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
-                         timer: Timer, split_nodes: Collection[str] = (), warm_up: bool = True) -> NodeTimes:
+                         timer: Timer, split_nodes: Collection[str] = (), warm_up: bool = True,
+                         step: TrainingStep = TrainingStep()) -> NodeTimes:
     """Median forward time (ms) of every node of ``gm`` over ``repeats`` warm training steps on
     CPU, and of each of ``split_nodes`` the share after its last save (wall clock at the last
     pack of a saved tensor; a node that saves nothing gets none).
@@ -176,7 +177,10 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
                 pass_spread(_pass_totals(times_ms)), pass_spread(_step_totals(times_ms, backward_ms))) > TIMING_SPREAD_LIMIT):
             interpreter = _NodeTimer(gm, timer, None if warm_up else times_ms, split_nodes, shares)
             flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)
-            loss = loss_of(unflatten_output(gm, flat_out))
+            loss = step.loss(unflatten_output(gm, flat_out))
+            if not step.output_held:
+                del flat_out
+                flat_out = None
             if warm_up:
                 loss.backward()
             else:
@@ -241,7 +245,8 @@ def _ms_per_sleep_cycle() -> float:
 
 
 def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
-                       max_hold_ms: float = 2000.0, split_nodes: Collection[str] = ()) -> NodeTimes:
+                       max_hold_ms: float = 2000.0, split_nodes: Collection[str] = (),
+                       step: TrainingStep = TrainingStep()) -> NodeTimes:
     """Median GPU time (ms) of every node of ``gm`` over ``repeats`` warm training steps.
 
     Running a graph node by node from Python launches kernels more slowly than a compiled
@@ -266,7 +271,12 @@ def time_nodes_on_cuda(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats
             flat_out = recorder.run(*flat_inputs, enable_io_processing=False)
             if not timed:
                 launch_ms = (time.perf_counter() - launched) * 1e3
-            loss_of(unflatten_output(gm, flat_out)).backward()
+            loss = step.loss(unflatten_output(gm, flat_out))
+            if not step.output_held:
+                del flat_out
+                flat_out = None
+            loss.backward()
+            del loss
             del flat_out
             torch.cuda.synchronize()
             for p in gm.parameters():

@@ -35,12 +35,13 @@ from torch.utils._pytree import tree_leaves
 
 from planner.core.costgraph import CostGraph, CostNode
 from profiling.cost_nodes import StorageTable, cost_nodes
+from profiling.criterion import criterion_inputs, criterion_name, criterion_node, run_criterion
 from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
     StepInputs,
+    TrainingStep,
     flat_graph_inputs,
-    loss_of,
     measure_step_peak_bytes,
     preserved_state,
     run_step,
@@ -107,8 +108,12 @@ def profile_graph(
     fake: bool = False,
     target: str = "cpu",
     progress: bool = False,
+    step: TrainingStep = TrainingStep(),
 ) -> CostGraph:
-    """Profile one forward plus backward of ``gm`` on ``example_inputs``.
+    """Profile one forward plus backward of ``gm`` on ``example_inputs``, as ``step`` runs it:
+    the loss ``step`` takes (a criterion outside the graph becomes one node of the profile,
+    :mod:`profiling.criterion`) and the output dropped before the backward unless
+    ``step.output_held`` (``CostGraph.output_held``).
 
     Each node's time is its median over ``timing_repeats`` warm training steps run node by node
     after the step that measures temporaries, which warms the allocator
@@ -154,6 +159,7 @@ def profile_graph(
     bar = NodeProgress(node_count, f"profiling {node_count} nodes{' (fake)' if fake else ''}", bar=progress)
     tracker = FakeAllocationTracker() if fake else None
     interp = ProfilingInterpreter(gm, device, to_fake, bar, tracker)
+    loss_node = criterion_name(n.name for n in gm.graph.nodes)
     with preserved_state(gm), (fake_mode if fake_mode is not None else contextlib.nullcontext()), \
             (tracker if tracker is not None else contextlib.nullcontext()):
         try:
@@ -163,17 +169,28 @@ def profile_graph(
         finally:
             bar.close()
         output = unflatten_output(gm, flat_out)
-        loss = loss_of(output)
-        if tracker is not None:  # measured runs take their backward facts from measure_node_peaks
-            loss.backward()
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
+        criterion = run_criterion(output, step, interp.time,
+                                  *((lambda: tracker.node_started(loss_node), lambda: tracker.node_finished(loss_node))
+                                    if tracker is not None else ()))
+        loss = criterion.loss
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
+        if loss_names:
+            criterion = None  # the graph computes the loss itself
+        else:
+            reads = criterion_inputs(loss, {name: interp.records[name]["result"] for name in output_names})
+            loss_names, output_names = (loss_node,), (*output_names, loss_node)
+        if tracker is not None:  # measured runs take their backward facts from measure_node_peaks
+            loss.backward()
         del loss, output, flat_out
     if tracker is not None:
         roofline_times(gm, interp.records, target)
-        nodes = cost_nodes(gm, interp.records, table, tracker.forward_peaks(), tracker.backward_peaks(),
-                           tracker.backward_late_scratch())
+        forward_peaks, backward_peaks = tracker.forward_peaks(), tracker.backward_peaks()
+        nodes = cost_nodes(gm, interp.records, table, forward_peaks, backward_peaks, tracker.backward_late_scratch())
+        if criterion is not None:
+            nodes += (criterion_node(loss_node, criterion, reads, table, forward_peaks.get(loss_node, 0),
+                                     backward_peaks.get(loss_node, 0)),)
         step_ms = 3 * sum(n.time_ms for n in nodes)  # with no measured step, forward plus backward is three forwards
         measured_peak_bytes, timing = None, {}
     else:
@@ -181,6 +198,9 @@ def profile_graph(
         split = {name for name, rec in interp.records.items()
                  if rec.get("after_last_save_fraction") is not None and 0.0 < rec["after_last_save_fraction"] < 1.0}
         nodes = cost_nodes(gm, interp.records, table, {}, {})  # times and temporaries measured below
+        if criterion is not None:  # its temporaries are measured below with the graph's
+            nodes += (criterion_node(loss_node, criterion, reads, table),)
+        del criterion
         signatures = {name: rec["signature"] for name, rec in interp.records.items()}
         # the profiling run holds every value it made: passes timed beside them ran slower (a
         # GPT-2 step 20 % slower: 983 against 815 ms), so they go before anything is timed
@@ -190,8 +210,8 @@ def profile_graph(
                           " and the step's peak" if measure_peak else "")
         # a whole step with values freed as the module frees them: it also warms the allocator
         # for the timing passes, which then need no untimed step of their own
-        peaks = measure_node_peaks(gm, inputs)
-        node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats)
+        peaks = measure_node_peaks(gm, inputs, step, loss_node)
+        node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats, step)
         step_ms = statistics.median(step_times)
         timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread,
                   "step_time_spread": pass_spread(step_times)}
@@ -199,7 +219,7 @@ def profile_graph(
         measured_peak_bytes = None
         if measure_peak:
             measured_peak_bytes = (peaks.step_peak_bytes if peaks.step_peak_bytes is not None
-                                   else measure_step_peak_bytes(gm, inputs))
+                                   else measure_step_peak_bytes(gm, inputs, step))
         nodes = _with_measurements(nodes, signatures, node_times, peaks)
     graph = CostGraph(
         nodes=nodes,
@@ -211,7 +231,9 @@ def profile_graph(
         selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
         segment_overhead_ms=0.0 if fake else segment_overhead_ms(device),
         measured_peak_bytes=measured_peak_bytes,
+        output_held=step.output_held,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
+                  "step": step.describe(),
                   "computation_changes": list(gm.meta.get("computation_changes", ())), **timing},
     )
     log.info("profiled %d nodes, %d storages%s", len(nodes), len(table.storages), " (fake tensors)" if fake else "")
@@ -219,7 +241,8 @@ def profile_graph(
 
 
 def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInputs, device: torch.device,
-                    repeats: int, split: set[str], step_repeats: int) -> tuple[NodeTimes, list[float]]:
+                    repeats: int, split: set[str], step_repeats: int,
+                    step: TrainingStep) -> tuple[NodeTimes, list[float]]:
     """Each node's warm forward time and the step's times, in ms.
 
     On CPU the step's time comes from the same passes (their node times plus their backward),
@@ -227,10 +250,11 @@ def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInput
     GPU, ``step_repeats`` whole steps are timed after them."""
     progress_log.info("profiling: timing nodes in %d warm passes", repeats)
     if device.type == "cuda":
-        node_times = time_nodes_on_cuda(gm, flat, repeats, split_nodes=split)
-        step_times = _step_times_ms(gm, inputs, step_timer(device), step_repeats)
+        node_times = time_nodes_on_cuda(gm, flat, repeats, split_nodes=split, step=step)
+        step_times = _step_times_ms(gm, inputs, step_timer(device), step_repeats, step)
     else:
-        node_times = time_nodes_in_passes(gm, flat, repeats, step_timer(device), split_nodes=split, warm_up=False)
+        node_times = time_nodes_in_passes(gm, flat, repeats, step_timer(device), split_nodes=split, warm_up=False,
+                                          step=step)
         step_times = list(node_times.step_totals_ms)
     return node_times, step_times
 
@@ -268,7 +292,8 @@ def _warn_if_noisy(timing: dict[str, Any]) -> None:
                     100 * timing["step_time_spread"])
 
 
-def _step_times_ms(gm: torch.fx.GraphModule, inputs: StepInputs, timer: Timer, repeats: int) -> list[float]:
+def _step_times_ms(gm: torch.fx.GraphModule, inputs: StepInputs, timer: Timer, repeats: int,
+                   step: TrainingStep) -> list[float]:
     """Times of ``repeats`` training steps of ``gm`` after an untimed one, gradients cleared
     before each (as a loop calling ``zero_grad(set_to_none=True)`` does), and more, up to
     :data:`MAX_TIMING_PASSES`, while they spread by more than :data:`TIMING_SPREAD_LIMIT`, as
@@ -281,7 +306,7 @@ def _step_times_ms(gm: torch.fx.GraphModule, inputs: StepInputs, timer: Timer, r
                                                      and pass_spread(times_ms) > TIMING_SPREAD_LIMIT):
             for p in gm.parameters():
                 p.grad = None
-            elapsed_ms = timer(lambda: run_step(gm, inputs))
+            elapsed_ms = timer(lambda: run_step(gm, inputs, step))
             if not warm_up:
                 times_ms.append(elapsed_ms)
             warm_up = False

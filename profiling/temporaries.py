@@ -37,10 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiling.measure import (
     StepInputs,
+    TrainingStep,
     allocation_events,
     device_of,
     flat_graph_inputs,
-    loss_of,
     memory_profile,
     preserved_state,
     profiled_step_peak_bytes,
@@ -78,15 +78,23 @@ class NodePeaks(NamedTuple):
     step_peak_bytes: int | None
 
 
-def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs) -> NodePeaks:
-    """Measure each node's forward and backward peak in one profiled training step (values
-    freed after their last use, as the module's own forward frees them)."""
+def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(),
+                       loss_node: str = "loss_fn") -> NodePeaks:
+    """Measure each node's forward and backward peak in one profiled training step run as
+    ``step`` runs it (values freed after their last use, as the module's own forward frees
+    them; the output dropped before the backward unless ``step.output_held``). The loss's own
+    ops are measured under the name ``loss_node`` (:mod:`profiling.criterion`)."""
     flat = flat_graph_inputs(gm, inputs)
     with preserved_state(gm), memory_profile() as prof:
         flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)
         output = unflatten_output(gm, flat_out)
-        loss_of(output).backward()
-        del output, flat_out
+        with torch.profiler.record_function(_PREFIX + loss_node):
+            loss = step.loss(output)
+        if not step.output_held:
+            del output, flat_out
+            output = flat_out = None
+        loss.backward()
+        del output, flat_out, loss
     device_type = device_of(gm, inputs).type
     step_peak_bytes = profiled_step_peak_bytes(gm, inputs, prof) if device_type == "cpu" else None
 

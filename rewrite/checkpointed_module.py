@@ -24,6 +24,7 @@ from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules
+from rewrite.held_output import HeldOutputCheck
 from rewrite.segments import apply_plan, fresh_copy
 from rewrite.signature import (ForwardWithTheModelsSignature, autocast_state, describe_inputs, input_signature,
                                signature_of)
@@ -130,6 +131,7 @@ class CheckpointedModule(torch.nn.Module):
         object.__setattr__(self, "_variants", {})
         object.__setattr__(self, "_profiles", {})
         object.__setattr__(self, "_unit_variants", {})
+        object.__setattr__(self, "_held_output_check", HeldOutputCheck())
         self.plan = plan
         self.cost_graph = cost_graph
         self._planned_key: tuple[Any, ...] | None = None
@@ -298,7 +300,11 @@ class CheckpointedModule(torch.nn.Module):
     def _checkpointed_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.original.training:  # opt.eval() or model.eval(): the user's own module
             return self.original(*args, **kwargs)
-        return self._variant(StepInputs(args, kwargs)).graph_module(*args, **kwargs)
+        variant = self._variant(StepInputs(args, kwargs))
+        output = variant.graph_module(*args, **kwargs)
+        if variant.cost_graph is not None and not variant.cost_graph.output_held:
+            self._held_output_check.watch(output)
+        return output
 
     forward = ForwardWithTheModelsSignature()
 

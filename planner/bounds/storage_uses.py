@@ -36,7 +36,7 @@ class StorageUses:
         self.persistent = {k for k, s in self.sizes.items() if s.persistent}
         self.position = {n.name: i for i, n in enumerate(graph.nodes)}
         values = {n.name: tuple(k for k in n.output_storages if k not in self.persistent) for n in graph.nodes}
-        returned = {k for name in graph.output_names for k in values[name]}
+        returned = {k for name in graph.held_output_names for k in values[name]}
         self.maker: dict[int, str] = {}
         self.savers: dict[int, set[str]] = {}
         #: the last position reading each storage, as the simulator frees storages nothing saved

@@ -134,8 +134,12 @@ class CostNode:
 class CostGraph:
     """A profiled training step: nodes in execution order plus the storages they touch.
 
-    ``output_names`` are the values the module returns (held by the caller through backward);
-    ``loss_names`` the ones backward starts from (all differentiable outputs when empty).
+    ``output_names`` are the values the module returns, and the criterion node when the loss
+    is taken outside the module (:mod:`profiling.criterion`); ``loss_names`` the ones backward
+    starts from (all differentiable outputs when empty). ``output_held`` says whether the
+    caller holds the outputs through the backward (a loop that keeps ``out`` alive); when
+    False the outputs live to the end of the forward and are then dropped, the loss alone held,
+    as in ``criterion(model(x), y).backward()`` (:attr:`held_output_names`).
     ``segment_overhead_bytes`` is what each checkpointed segment keeps from its forward to its
     backward besides tensors of the graph (the saved RNG state).
     ``selective_overhead_ms_per_node`` is the time a selective checkpoint policy adds to each
@@ -154,6 +158,7 @@ class CostGraph:
     selective_overhead_ms_per_node: float = 0.0
     segment_overhead_ms: float = 0.0
     measured_peak_bytes: int | None = None
+    output_held: bool = True
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +182,19 @@ class CostGraph:
     def index(self) -> dict[str, int]:
         """Position of every node in execution order, by name."""
         return {n.name: i for i, n in enumerate(self.nodes)}
+
+    @property
+    def held_output_names(self) -> tuple[str, ...]:
+        """The values the caller holds through the whole backward: every output when
+        ``output_held``, else the loss alone.
+
+        Example:
+            >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+            ...               (Storage(0, 8, True),), output_names=("x",), output_held=False)
+            >>> g.held_output_names
+            ()
+        """
+        return self.output_names if self.output_held else self.loss_names
 
     @cached_property
     def storage_by_key(self) -> dict[int, Storage]:

@@ -35,7 +35,7 @@ class ReplayFacts:
     ``persistent``: storages held for the whole step (parameters, buffers, inputs).
     ``value_storages``: each node's output storages that are not persistent, by name.
     ``last_use``: the last node position that produces or reads each such storage.
-    ``returned``: the storages of the module's outputs.
+    ``returned``: the storages the caller holds through the backward (``held_output_names``).
     ``compute_rank``: each compute node's position among the compute nodes, by node position.
     ``made``: what each node allocates in the forward (outputs, then saved storages; not
     persistent, each once). ``lives_on``: those of ``made`` a later node reads or the module
@@ -73,7 +73,13 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
         for name in node.input_names:
             for k in value_storages[name]:
                 last_use[k] = max(last_use.get(k, i), i)
-    returned = frozenset(k for name in graph.output_names for k in value_storages[name])
+    if not graph.output_held:
+        # outputs the caller drops live until the forward ends (the loss is taken), not longer
+        end = len(nodes) - 1
+        for name in graph.output_names:
+            for k in value_storages[name]:
+                last_use[k] = end
+    returned = frozenset(k for name in graph.held_output_names for k in value_storages[name])
     compute_positions = [i for i, n in enumerate(nodes) if n.kind == "compute"]
     made = tuple(tuple(dict.fromkeys(k for k in (*n.output_storages, *n.saved_storages) if k not in persistent))
                  for n in nodes)

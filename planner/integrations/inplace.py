@@ -49,7 +49,7 @@ from planner.core.errors import InputError
 from planner.core.options import check_budget_gb
 from planner.core.plan import GIB, Plan
 from planner.pipeline import optimize
-from profiling.measure import StepInputs, measure_step_peak_bytes
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from rewrite.checkpointed_module import CheckpointedModule
 from rewrite.module_checkpoint import ModuleCheckpointedModule
 
@@ -181,7 +181,8 @@ class _PlannedForward:
             with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
                 if budget_gb is None:
                     fraction = float(self.budget_fraction or 1.0)  # check_enable_options requires one of the two
-                    peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example(example_inputs))
+                    step = TrainingStep(self.options.get("loss_fn"), bool(self.options.get("output_held", False)))
+                    peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example(example_inputs), step)
                     budget_gb = fraction * peak_bytes / GIB
                     log.info("budget %.4f GiB: %.3g of the measured unoptimized peak %.4f GiB", budget_gb,
                              fraction, peak_bytes / GIB)

@@ -119,7 +119,7 @@ class OptimisticAccount:
             for name in node.input_names:
                 for k in values[name]:
                     self.last_use[k] = max(self.last_use.get(k, i), i)
-        self.returned = {k for name in graph.output_names for k in values[name]}
+        self.returned = {k for name in graph.held_output_names for k in values[name]}
         self.stage_of = {name: j for j, st in enumerate(stages) for name in st.node_names}
         self.first_pos = [self.pos[st.node_names[0]] for st in stages]
         self.last_pos = [self.pos[st.node_names[-1]] for st in stages]

@@ -124,7 +124,7 @@ def build_stage_model(graph: CostGraph, stages: list[Stage], max_segment_stages:
     nodes = [n for n in graph.nodes if n.name in stage_of]
     differentiable = {n.name for n in graph.nodes if n.requires_grad}
 
-    returned = {k for name in graph.output_names for k in graph.node(name).output_storages} - persistent
+    returned = {k for name in graph.held_output_names for k in graph.node(name).output_storages} - persistent
     starts = graph.loss_names or tuple(n for n in graph.output_names if n in differentiable)
     base_bytes = graph.persistent_bytes + sum(sizes_b[k].size_bytes for k in returned)
     base_bytes += sum(graph.node(n).output_bytes for n in starts)

@@ -1,0 +1,99 @@
+"""Check a plan on the device before handing it over: measure its step, correct, solve again.
+
+The simulator's prediction agrees with the allocator within a few percent, but a promise
+("the budget holds") should not rest on a prediction where the step can be measured. Where
+``optimize`` plans on the training device, :func:`measured_plan` rewrites the graph with the
+chosen plan and measures one training step at the allocator (``torch.profiler`` on CPU,
+``max_memory_allocated`` on CUDA), the step the plan was made for. Then:
+
+- measured above the budget's room: the gap is held as extra bytes all step and the graph is
+  solved again, up to :data:`MAX_MEASURED_RESOLVES` times;
+- measured below the prediction by more than the safety margin (the prediction wasted budget):
+  the room is grown by the gap and the graph solved again, once; the new plan is kept only if
+  its own measured step fits and it recomputes less.
+
+The plan returned always has ``measured_peak_bytes`` set. The cost is one measured training
+step for a plan that recomputes anything (a plan that recomputes nothing is the profiled step
+itself, whose peak the profile measured), plus one per solve again (docs/memory.md).
+
+Example:
+    >>> import torch
+    >>> from planner import optimize
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+    ...                               for _ in range(8)]).train()
+    >>> x = torch.randn(512, 64)
+    >>> opt = optimize(model, (x,), budget_gb=1.0, timing_repeats=1)
+    >>> opt.plan.measured_peak_bytes == opt.cost_graph.measured_peak_bytes   # nothing recomputed
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from planner.core.errors import InfeasibleBudgetError
+from planner.core.plan import GIB, Plan
+
+__all__ = ["MAX_MEASURED_RESOLVES", "measured_plan"]
+
+log = logging.getLogger(__name__)
+
+#: Solves again after a measured step above the budget: each holds the measured overshoot, so
+#: one usually suffices; the second covers an overshoot that moved with the plan.
+MAX_MEASURED_RESOLVES = 2
+
+#: ``(extra_held_bytes, extra_room_bytes) -> Plan``: the same graph solved again holding
+#: ``extra_held_bytes`` more all step with ``extra_room_bytes`` more room; raises
+#: :class:`InfeasibleBudgetError` where nothing fits.
+Resolve = Callable[[int, int], Plan]
+#: ``plan -> (module, measured peak bytes)``: the graph rewritten for ``plan`` and its step measured.
+Measure = Callable[[Plan], tuple[Any, int]]
+
+
+def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measure, resolve: Resolve,
+                  unoptimized_measured_bytes: int | None) -> tuple[Any, Plan]:
+    """The module and plan to return: ``plan`` measured, corrected by solving again where the
+    measurement says so (see module docs), with ``measured_peak_bytes`` set. The module is None
+    for a plan that recomputes nothing, whose measured peak is the profile's own
+    (``unoptimized_measured_bytes``): the caller rewrites as usual. Raises
+    :class:`InfeasibleBudgetError` where every plan tried measured above ``room_bytes``."""
+
+    def check(candidate: Plan) -> tuple[Any, int]:
+        if not candidate.segments and unoptimized_measured_bytes is not None:
+            return None, unoptimized_measured_bytes
+        return measure(candidate)
+
+    module, measured = check(plan)
+    plan = dataclasses.replace(plan, measured_peak_bytes=measured)
+    held = 0
+    for attempt in range(MAX_MEASURED_RESOLVES):
+        if measured <= room_bytes:
+            break
+        held += max(measured - room_bytes, measured - plan.predicted_peak_bytes, 1)
+        log.warning("plan measured %.4f GiB, above the room of %.4f GiB (predicted %.4f GiB): solving again with "
+                    "%.1f MiB held (%d of %d)", measured / GIB, room_bytes / GIB, plan.predicted_peak_bytes / GIB,
+                    held / 2**20, attempt + 1, MAX_MEASURED_RESOLVES)
+        plan = resolve(held, 0)
+        module, measured = check(plan)
+        plan = dataclasses.replace(plan, measured_peak_bytes=measured)
+    if measured > room_bytes:
+        raise InfeasibleBudgetError(plan.budget_bytes, plan.budget_bytes + measured - room_bytes,
+                                    note=f"the plan's measured step peaked at {measured / GIB:.4f} GiB, "
+                                         f"{(measured - room_bytes) / 2**20:.1f} MiB above the room")
+    wasted = plan.predicted_peak_bytes - measured
+    if wasted > margin_bytes and plan.segments and held == 0:
+        try:
+            roomier = resolve(0, wasted)
+        except InfeasibleBudgetError:
+            return module, plan
+        if roomier.segments != plan.segments and roomier.recompute_ms < plan.recompute_ms:
+            roomier_module, roomier_measured = check(roomier)
+            log.info("plan predicted %.4f GiB measured %.4f GiB: with the gap as room, a plan recomputing %.1f ms "
+                     "instead of %.1f ms measured %.4f GiB", plan.predicted_peak_bytes / GIB, measured / GIB,
+                     roomier.recompute_ms, plan.recompute_ms, roomier_measured / GIB)
+            if roomier_measured <= room_bytes:
+                return roomier_module, dataclasses.replace(roomier, measured_peak_bytes=roomier_measured)
+    return module, plan
