@@ -1,6 +1,6 @@
 """What lies between the planner's plan and the covering bound, on the H100 profiles.
 
-For each profile in ``../shared/profiles/h100/`` the budget is checkpoint-every-layer's
+For each profile in ``tests/data/h100/`` the budget is checkpoint-every-layer's
 simulated peak (as in ``benchmarks/hand_placed.py``). Every figure is a share of every-layer's
 recompute time at that budget, in the planner's own model (deterministic up to solver time
 limits: it runs no model):
@@ -30,7 +30,7 @@ import logging
 import time
 from pathlib import Path
 
-from common import ROOT, add_docs_argument, benchmark_logging, publish_table
+from common import H100_PROFILES, ROOT, add_docs_argument, benchmark_logging, publish_table
 
 from planner.bounds.backward_holds import held_transient_bytes
 from planner.bounds.covering import covering_bound
@@ -44,7 +44,7 @@ from profiling.cache import load_profile
 
 log = logging.getLogger("bound_gap")
 
-PROFILES = ROOT.parent / "shared" / "profiles" / "h100"
+PROFILES = H100_PROFILES
 MODELS = ["gpt2_gpu", "llama_gpu", "bert_gpu", "t5_gpu", "mlp_gpu", "gpt2_24l_gpu"]
 MIB = 2**20
 #: HiGHS's time limit for the covering bounds (its dual bound at the limit is still a bound)

@@ -38,6 +38,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the profiles measured on an NVIDIA H100, kept with the tests (their README says how)
+H100_PROFILES = ROOT / "tests" / "data" / "h100"
 for _path in (ROOT, ROOT / "examples"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
@@ -51,6 +53,7 @@ __all__ = [
     "benchmark_logging",
     "DOCS_DIR",
     "GIB",
+    "H100_PROFILES",
     "ROOT",
     "checkpoint_every_k",
     "SAVED_MATMUL_ATEN_OPS",

@@ -1,6 +1,6 @@
 """The planner against hand-placed plans on the H100 profiles, in the planner's own model.
 
-For each profile in ``../shared/profiles/h100/`` (measured on an NVIDIA H100; its README says
+For each profile in ``tests/data/h100/`` (measured on an NVIDIA H100; its README says
 how) and each hand-placed plan (checkpoint every layer, every 2nd layer; the repeated blocks
 come from the profile's module paths, :mod:`planner.solvers.hand_policies`), the budget is that
 plan's simulated peak. The table gives the default solve's predicted recompute as a share of
@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import H100_PROFILES  # noqa: E402
 from publish import ROOT, publish_doc  # noqa: E402
 
 from planner.bounds.covering import covering_bound  # noqa: E402
@@ -32,7 +33,7 @@ from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks  # 
 from planner.solvers.solve import solve  # noqa: E402
 from profiling.cache import load_profile  # noqa: E402
 
-PROFILES = ROOT.parent / "shared" / "profiles" / "h100"
+PROFILES = H100_PROFILES
 MODELS = ["gpt2_gpu", "llama_gpu", "bert_gpu", "t5_gpu", "mlp_gpu", "gpt2_24l_gpu"]
 POLICIES = ("every layer", "every 2nd layer")
 MIB = 2**20

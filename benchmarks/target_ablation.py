@@ -1,6 +1,6 @@
 """Where the gap between `--target h100` on CPU kernels and the H100 came from: each GPU rule off.
 
-For each profile in ``../shared/profiles/h100/``, the model is profiled on fake tensors for the
+For each profile in ``tests/data/h100/``, the model is profiled on fake tensors for the
 H100 (as ``benchmarks/target_accuracy.py`` does) once with every rule of
 :mod:`profiling.gpu_rules` switched off (the CPU's kernels) and once with each rule off alone,
 and the predicted unoptimized peak is set beside the one measured on the H100. Five fake

@@ -1,6 +1,6 @@
-"""How close `--target h100` comes to what the H100 measured, on the shared H100 profiles.
+"""How close `--target h100` comes to what the H100 measured, on the H100 profiles in ``tests/data/h100/``.
 
-For each profile in ``../shared/profiles/h100/`` (measured on an NVIDIA H100; its README says
+For each profile in ``tests/data/h100/`` (measured on an NVIDIA H100; its README says
 how and with which model configs), this builds the same model on CPU, captures it as the
 profiles were captured (attention masks simplified to ``is_causal``, which is also the call the
 eager model makes on the GPU), profiles it on fake tensors for the H100
@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from common import H100_PROFILES  # noqa: E402
 from publish import ROOT, publish_doc  # noqa: E402
 
 from planner.core.costgraph import CostGraph, protect_reads_before_writes  # noqa: E402
@@ -45,7 +46,7 @@ from planner.core.simulate import simulate, validate_segments  # noqa: E402
 from planner.solvers.hand_policies import hand_placed_plans  # noqa: E402
 from planner.solvers.keep import segment_with_kept  # noqa: E402
 
-PROFILES = ROOT.parent / "shared" / "profiles" / "h100"
+PROFILES = H100_PROFILES
 MODELS = ["gpt2_gpu", "llama_gpu", "bert_gpu", "t5_gpu", "mlp_gpu", "gpt2_24l_gpu"]
 MIB = 2**20
 BLOCK_BYTES = 512  # one CUDA allocator block: the fake profile's storages are rounded to it

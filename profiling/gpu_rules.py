@@ -224,7 +224,7 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     mask; memory-efficient also takes float32 and a mask, with head sizes aligned to 8 elements
     (16 bytes) in half precision and 4 in float32, but not grouped-query heads nor a mask that
     requires grad (T5's learned position bias: the H100 ran math there, ``t5_gpu`` in
-    ``../shared/profiles/h100``); math takes anything. Dropout and ``is_causal`` are taken by
+    ``tests/data/h100``); math takes anything. Dropout and ``is_causal`` are taken by
     all three.
 
     Example:

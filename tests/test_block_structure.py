@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import pytest
 
 from graphs import MIB
+from h100_profiles import H100_PROFILES as H100
 from planner.core.costgraph import CostGraph, CostNode, Storage, protect_reads_before_writes
 from planner.core.simulate import simulate
 from planner.solvers.block_structure import structural_blocks
 from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks
 from profiling.cache import load_profile
 
-H100 = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "h100"
 OPS = ("aten.linear.default", "aten.gelu.default", "aten.add.Tensor", "aten.layer_norm.default", "aten.mul.Tensor")
 
 

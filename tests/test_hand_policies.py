@@ -1,22 +1,21 @@
 """Never lose to the plans a person writes by hand: checkpoint every k-th layer, with or without
-the matmul outputs kept. On the H100 profiles in ``../shared/profiles/h100`` and on hand-made
+the matmul outputs kept. On the H100 profiles in ``tests/data/h100`` and on hand-made
 graphs, at each hand-placed plan's own simulated peak, the solver's plan fits and costs no more."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from graphs import MIB
+from h100_profiles import H100_PROFILES as H100
 from planner.core.costgraph import CostGraph, CostNode, Storage, protect_reads_before_writes
 from planner.solvers.hand_policies import hand_placed_plans, repeated_blocks
 from planner.core.simulate import simulate
 from planner.solvers.solve import solve
 from profiling.cache import load_profile
 
-H100 = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "h100"
 PROFILES = ["gpt2_gpu", "llama_gpu", "bert_gpu", "t5_gpu", "mlp_gpu", "gpt2_24l_gpu"]
 
 

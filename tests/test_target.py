@@ -2,7 +2,7 @@
 
 The per-op saving rules (:mod:`profiling.gpu_rules`) on small fake shapes, no GPU needed: what
 CUDA's attention backends and dropout save, the allocator's rounding, the calibrated roofline.
-Then the comparison with the profiles measured on an H100 (``../shared/profiles/h100``) on two of
+Then the comparison with the profiles measured on an H100 (``tests/data/h100``) on two of
 them (``benchmarks/target_accuracy.py`` runs all six).
 """
 
