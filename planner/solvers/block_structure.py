@@ -26,7 +26,7 @@ import numpy as np
 
 from planner.core.costgraph import CostGraph
 
-__all__ = ["structural_blocks", "MIN_BLOCK_NODES", "MIN_STACK_SHARE"]
+__all__ = ["structural_blocks", "node_labels", "crossing_bytes", "MIN_BLOCK_NODES", "MIN_STACK_SHARE"]
 
 #: Fewest compute nodes a structural block may have: a layer of fewer is an op pair
 #: (linear, relu), the smallest a hand-placed checkpoint wraps.
@@ -36,15 +36,33 @@ MIN_BLOCK_NODES = 2
 MIN_STACK_SHARE = 0.2
 
 
-def _node_labels(graph: CostGraph) -> np.ndarray:
-    """One integer per compute node: equal for nodes with the same op and output size."""
+def node_labels(graph: CostGraph) -> np.ndarray:
+    """One integer per compute node: equal for nodes with the same op and output size.
+
+    Example:
+        >>> from planner.core.costgraph import CostNode, Storage
+        >>> ops = ("aten.relu.default", "aten.add.Tensor", "aten.relu.default")
+        >>> g = CostGraph(tuple(CostNode(f"n{i}", op, output_bytes=8) for i, op in enumerate(ops)), ())
+        >>> node_labels(g).tolist()
+        [0, 1, 0]
+    """
     codes: dict[tuple[str, int], int] = {}
     return np.array([codes.setdefault((n.op, n.output_bytes), len(codes)) for n in graph.compute_nodes],
                     dtype=np.int64)
 
 
-def _crossing_bytes(graph: CostGraph) -> np.ndarray:
-    """``crossing[i]``: output bytes of compute nodes before position ``i`` read at or after it."""
+def crossing_bytes(graph: CostGraph) -> np.ndarray:
+    """``crossing[i]``: output bytes of compute nodes before position ``i`` (in compute order)
+    read at or after it.
+
+    Example:
+        >>> from planner.core.costgraph import CostNode, Storage
+        >>> nodes = (CostNode("a", "aten.relu.default", output_bytes=8),
+        ...          CostNode("b", "aten.relu.default", input_names=("a",), output_bytes=4),
+        ...          CostNode("c", "aten.add.Tensor", input_names=("a", "b"), output_bytes=4))
+        >>> crossing_bytes(CostGraph(nodes, ())).tolist()
+        [0, 8, 12, 0]
+    """
     position = {n.name: i for i, n in enumerate(graph.compute_nodes)}
     last_read = {i: i for i in range(len(position))}
     for i, node in enumerate(graph.compute_nodes):
@@ -109,8 +127,8 @@ def structural_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
     nodes = graph.compute_nodes
     if len(nodes) < 2 * MIN_BLOCK_NODES:
         return []
-    labels = _node_labels(graph)
+    labels = node_labels(graph)
     min_cover = max(2 * MIN_BLOCK_NODES, int(MIN_STACK_SHARE * len(nodes)))
-    stacks = _stacks_in(labels, _crossing_bytes(graph), 0, min_cover)
+    stacks = _stacks_in(labels, crossing_bytes(graph), 0, min_cover)
     return [[tuple(n.name for n in nodes[first + k * period:first + (k + 1) * period]) for k in range(copies)]
             for first, period, copies in stacks]

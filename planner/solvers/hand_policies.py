@@ -4,8 +4,9 @@ A user who does not run this tool checkpoints every layer (HuggingFace's
 ``gradient_checkpointing_enable()``), every k-th layer (Chen et al.'s sqrt(n) spacing), or keeps
 the matmul outputs inside each checkpointed layer and recomputes the rest (the selective policy
 of torchtitan and Megatron). :func:`hand_placed_plans` builds those plans on a profiled graph,
-from the repeated blocks the graph itself shows (:func:`repeated_blocks`), so the solver can take
-them as candidates: the plan it returns never costs more than one of them that fits the budget.
+on every way the graph shows to split it into repeated blocks (:func:`block_decompositions`:
+module paths, module lists run as one loop body, structure), so the solver can take them as
+candidates: the plan it returns never costs more than one of them that fits the budget.
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -32,11 +33,12 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan, Segment
 from planner.core.simulate import fits_budget, simulate
 from planner.solvers.block_structure import structural_blocks
+from planner.solvers.interleaved_blocks import merge_interleaved
 from planner.solvers.keep import segment_with_kept
 from planner.solvers.stage_plans import _to_plan
 
-__all__ = ["HandPlan", "repeated_blocks", "hand_placed_plans", "hand_placed_candidate", "EVERY_KTH_LAYER_MAX_K",
-           "SAVED_MATMUL_OPS", "HAND_PLACED"]
+__all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
+           "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "SAVED_MATMUL_OPS", "HAND_PLACED"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
@@ -45,6 +47,12 @@ HAND_PLACED = "hand-placed"
 
 #: Every k-th layer for k = 1 up to this (docs/tuning.md#every_kth_layer_max_k).
 EVERY_KTH_LAYER_MAX_K = 4
+
+#: Block decompositions the hand-placed plans are built on: the module paths with interleaved
+#: lists merged, the lists one stack each, the graph's structure. With two policies per k, a
+#: solve replays at most 2 * EVERY_KTH_LAYER_MAX_K * MAX_BLOCK_DECOMPOSITIONS = 24 hand-placed
+#: plans, one replay each (about 1 ms on the 991-node GPT-2 profile).
+MAX_BLOCK_DECOMPOSITIONS = 3
 
 #: What the save-matmuls policy keeps in a checkpointed layer (docs/tuning.md#saved_matmul_ops).
 SAVED_MATMUL_OPS = frozenset({
@@ -77,20 +85,62 @@ def _outer_block(module: str) -> tuple[str, int] | None:
     return None
 
 
-def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
-    """The graph's stacks of repeated blocks, from the module paths its nodes came from: each
-    module list (``transformer.h``, ``encoder.block``, ``blocks``) with two or more indexed
-    children is a stack, and each child's compute nodes, in graph order, a block. Stacks are in
-    the order their first node runs; a node inside a nested list (``layers.0.experts.1``)
-    belongs to its outermost block. A graph without such paths gets the stacks its structure
-    shows (:func:`planner.solvers.block_structure.structural_blocks`)."""
+def _module_path_stacks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
+    """Each module list (``transformer.h``, ``encoder.block``, ``blocks``) with two or more
+    indexed children, as a stack of its children's compute nodes in graph order; stacks in the
+    order their first node runs, a node inside a nested list (``layers.0.experts.1``) in its
+    outermost block."""
     stacks: dict[str, dict[int, list[str]]] = {}
     for node in graph.compute_nodes:
         found = _outer_block(node.module)
         if found is not None:
             stacks.setdefault(found[0], {}).setdefault(found[1], []).append(node.name)
-    by_path = [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
-    return by_path or structural_blocks(graph)
+    return [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
+
+
+def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
+    """The graph's stacks of repeated blocks as a person checkpoints them: each module list with
+    two or more indexed children is a stack and each child's compute nodes a block, except that
+    lists run as one loop body (``ln[i]``, ``enc[i]``, ``proj[i]`` in iteration ``i``) make one
+    stack of whole iterations (:func:`planner.solvers.interleaved_blocks.merge_interleaved`).
+    A graph without such paths gets the stacks its structure shows
+    (:func:`planner.solvers.block_structure.structural_blocks`). The first of
+    :func:`block_decompositions`.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode
+        >>> g = CostGraph(tuple(CostNode(f"n{i}", "aten.relu.default", module=f"{('ln', 'enc')[i % 2]}.{i // 2}")
+        ...                     for i in range(4)), ())
+        >>> repeated_blocks(g)
+        [[('n0', 'n1'), ('n2', 'n3')]]
+    """
+    by_path = _module_path_stacks(graph)
+    return merge_interleaved(graph, by_path) if by_path else structural_blocks(graph)
+
+
+def block_decompositions(graph: CostGraph) -> list[tuple[str, list[list[tuple[str, ...]]]]]:
+    """Each distinct way the graph splits into repeated blocks, labelled, at most
+    :data:`MAX_BLOCK_DECOMPOSITIONS`: first :func:`repeated_blocks` (label ``""``), then the
+    module lists one stack each where lists were merged (``" (module lists)"``), then the stacks
+    of the graph's structure (``" (structure)"``). A person may write any of them; decompositions
+    with the same blocks, and empty ones, appear once.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode
+        >>> g = CostGraph(tuple(CostNode(f"n{i}", "aten.relu.default", module=f"{('ln', 'enc')[i % 2]}.{i // 2}")
+        ...                     for i in range(4)), ())
+        >>> [(label, [len(stack) for stack in stacks]) for label, stacks in block_decompositions(g)]
+        [('', [2]), (' (module lists)', [2, 2])]
+    """
+    by_path = _module_path_stacks(graph)
+    candidates = [("", merge_interleaved(graph, by_path) if by_path else []), (" (module lists)", by_path),
+                  (" (structure)", structural_blocks(graph))]
+    found: dict[tuple[tuple[tuple[str, ...], ...], ...], tuple[str, list[list[tuple[str, ...]]]]] = {}
+    for label, stacks in candidates:
+        key = tuple(tuple(stack) for stack in stacks)
+        if stacks and key not in found:
+            found[key] = (label if found else "", stacks)  # the first gets the plain names
+    return list(found.values())[:MAX_BLOCK_DECOMPOSITIONS]
 
 
 def _recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list[list[tuple[str, ...]]]:
@@ -118,12 +168,9 @@ def _ordinal(k: int) -> str:
     return {1: "", 2: "2nd ", 3: "3rd "}.get(k, f"{k}th ")
 
 
-def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> list[HandPlan]:
-    """Checkpoint every k-th block of every stack (k = 1 .. ``max_k``, as long as a stack has more
-    than k blocks) and, for each, the same blocks keeping their matmul outputs
-    (:data:`SAVED_MATMUL_OPS`, where a selective policy can keep them). Costs are what each
-    recompute reruns (:func:`planner.solvers.keep.segment_with_kept`). No stacks: no plans."""
-    stacks = repeated_blocks(graph)
+def _every_kth_plans(graph: CostGraph, stacks: list[list[tuple[str, ...]]], max_k: int,
+                     label: str) -> list[HandPlan]:
+    """:func:`hand_placed_plans` on one decomposition ``stacks``, each name ending in ``label``."""
     runs_of = dict(zip((id(block) for stack in stacks for block in stack),
                        _recomputable_runs(graph, [block for stack in stacks for block in stack])))
     plain: dict[tuple[str, ...], Segment] = {}
@@ -138,10 +185,29 @@ def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> l
                 for index, block in enumerate(stack) if index % k == 0 for run in runs_of[id(block)]]
         if not runs:
             continue
-        name = f"every {_ordinal(k)}layer"
+        name = f"every {_ordinal(k)}layer{label}"
         plans.append(HandPlan(name, tuple(plain[run] for run in runs)))
         if any(matmul[run].kept_nodes for run in runs):
             plans.append(HandPlan(f"{name}, matmul outputs kept", tuple(matmul[run] for run in runs)))
+    return plans
+
+
+def hand_placed_plans(graph: CostGraph, max_k: int = EVERY_KTH_LAYER_MAX_K) -> list[HandPlan]:
+    """Checkpoint every k-th block of every stack (k = 1 .. ``max_k``, as long as a stack has more
+    than k blocks) and, for each, the same blocks keeping their matmul outputs
+    (:data:`SAVED_MATMUL_OPS`, where a selective policy can keep them), on each of
+    :func:`block_decompositions`: ``"every layer"`` on :func:`repeated_blocks`, the others named
+    with their decomposition's label (``"every 2nd layer (structure)"``). A plan that recomputes
+    the same segments as one before it is left out. Costs are what each recompute reruns
+    (:func:`planner.solvers.keep.segment_with_kept`). No stacks: no plans."""
+    plans: list[HandPlan] = []
+    seen: set[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = set()
+    for label, stacks in block_decompositions(graph):
+        for hand in _every_kth_plans(graph, stacks, max_k, label):
+            key = tuple((s.node_names, s.kept_nodes) for s in hand.segments)
+            if key not in seen:
+                seen.add(key)
+                plans.append(hand)
     return plans
 
 
