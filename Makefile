@@ -4,7 +4,7 @@ VENV ?= .venv
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
-.PHONY: setup example test test-fast table anchors anchors-quick quality
+.PHONY: setup example test test-fast table anchors anchors-quick quality gpu-check
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -34,3 +34,12 @@ anchors-quick: setup
 
 quality: setup
 	$(PY) benchmarks/quality.py --docs
+
+# make gpu-check: the prepared run on a CUDA machine (benchmarks/gpu_check.py; --dry-run lists its
+# steps and time boxes). It runs python3, not $(PY): a GPU machine has its CUDA torch installed
+# system-wide, and the .venv that `setup` builds holds CPU torch, which sees no GPU. Without CUDA it
+# prints one line and exits 0. Another interpreter: make gpu-check GPU_PY=.venv/bin/python
+GPU_PY ?= python3
+
+gpu-check:
+	@$(GPU_PY) benchmarks/gpu_check.py

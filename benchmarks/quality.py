@@ -23,9 +23,10 @@ the time bar is out of reach of any plan by the simulator's account.
     python benchmarks/quality.py [--models gpt2 llama bert mlp gpt2_768] [--repeats 7] [--docs]
     python benchmarks/quality.py --device cuda [--docs]     # on a GPU: the *_gpu models, CUDA events
     python benchmarks/quality.py --exact [--models mlp]     # plans with exact=True, to quality_exact.*
+    python benchmarks/quality.py --simplify-attention-masks  # also rows "planner, masks simplified"
 
 ``--docs`` also writes the table to ``docs/benchmarks/quality.md`` (``quality_cuda.md`` on a GPU,
-``*_exact.md`` with ``--exact``).
+``*_exact.md`` with ``--exact``; ``--name`` sets another file name).
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ planner finds is planned at the smallest feasible budget instead, marked "smalle
   profile's summed node times).
 - **lower bound**: the covering bound of `planner/bounds/covering.py` at that budget, in the same terms:
   no plan, kept outputs included, predicts less. [reach.md](reach.md) gives tighter bounds.
+- **planner, masks simplified** (only where the page's command has `--simplify-attention-masks`):
+  `optimize(..., simplify_attention_masks=True)`, segments only: attention calls take `is_causal`
+  (or no mask) where the captured mask is a constant causal or all-visible one. It changes the
+  kernels the step runs, so it is not the user's computation; the other rows are.
 - **verdict**: the bars. At every-layer's peak, extra step time at most 60 % of every-layer's
   and extra FLOPs at most 70 % of every-layer's; at 50 %, extra step time at most 10 %. At
   every-layer's peak the verdict also gives the lower bound as a share of every-layer's own
@@ -113,7 +118,7 @@ peaks on small configurations).
 class PlanRow:
     model: str
     target: str  # "every-layer peak" or "50 %"
-    method: str  # "planner" or "planner, selective"
+    method: str  # "planner", "planner, selective" or "planner, masks simplified"
     budget_bytes: int
     planned_at_minimum: bool
     peak_bytes: int
@@ -143,15 +148,21 @@ class ModelResult:
 
 
 def _planned(model: torch.nn.Module, example: Any, budget_bytes: int, selective: bool,
-             cache_dir: str, exact: bool | None = None) -> tuple[torch.nn.Module, bool]:
+             cache_dir: str, exact: bool | None = None,
+             simplify_attention_masks: bool = False) -> tuple[torch.nn.Module, bool]:
+    options = dict(selective=selective, cache_dir=cache_dir, exact=exact,
+                   simplify_attention_masks=simplify_attention_masks)
     try:
-        return optimize(model, example, budget_gb=budget_bytes / GIB, selective=selective, cache_dir=cache_dir,
-                        exact=exact), False
+        return optimize(model, example, budget_gb=budget_bytes / GIB, **options), False
     except InfeasibleBudgetError as exc:
         log.info("%d bytes infeasible; planning at the smallest feasible budget %d", budget_bytes,
                  exc.min_feasible_bytes)
-        return optimize(model, example, budget_gb=exc.min_feasible_bytes / GIB, selective=selective,
-                        cache_dir=cache_dir, exact=exact), True
+        return optimize(model, example, budget_gb=exc.min_feasible_bytes / GIB, **options), True
+
+
+#: the method label of each (selective, simplify_attention_masks) planning
+METHODS = {(False, False): "planner", (True, False): "planner, selective",
+           (False, True): "planner, masks simplified"}
 
 
 def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
@@ -160,7 +171,8 @@ def layers_forward_ms(graph: CostGraph, layers_name: str) -> float:
     return sum(n.time_ms for n in graph.compute_nodes if n.module.startswith(f"{layers_name}."))
 
 
-def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exact: bool | None = None) -> ModelResult:
+def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exact: bool | None = None,
+              simplify_attention_masks: bool = False) -> ModelResult:
     model, example = to_device(*ALL_MODELS[name][1](), device)
     inputs = StepInputs.from_example(example)
     every = checkpoint_every_k(model, 1)
@@ -177,15 +189,19 @@ def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exa
         result.save_matmuls_extra_flops = measure_step_flops(save_matmuls, inputs) - base_flops
         modules.append(save_matmuls)
         targets.insert(1, ("save-matmuls peak", result.save_matmuls_peak_bytes))
+    methods = [(False, False), (True, False)]
+    if simplify_attention_masks and _is_transformer(name):
+        methods.append((False, True))
     for target, budget in targets:
-        for selective in (False, True):
+        for selective, simplified in methods:
             started = time.perf_counter()
-            opt, at_minimum = _planned(model, example, budget, selective, cache_dir, exact)
+            opt, at_minimum = _planned(model, example, budget, selective, cache_dir, exact, simplified)
             plan, graph = opt.plan, opt.cost_graph
-            result.every_recompute_ms = layers_forward_ms(graph, layers_name)
+            if not simplified:  # every layer recomputes the user's computation
+                result.every_recompute_ms = layers_forward_ms(graph, layers_name)
             bound_ms = recompute_lower_bound_ms(protect_reads_before_writes(graph), int(plan.budget_bytes * 0.99))
             result.rows.append(PlanRow(
-                model=name, target=target, method="planner, selective" if selective else "planner",
+                model=name, target=target, method=METHODS[(selective, simplified)],
                 budget_bytes=plan.budget_bytes, planned_at_minimum=at_minimum,
                 peak_bytes=measure_step_peak_bytes(opt, inputs),
                 extra_flops=measure_step_flops(opt, inputs) - base_flops,
@@ -193,7 +209,7 @@ def run_model(name: str, repeats: int, cache_dir: str, device: torch.device, exa
                 lower_bound_ms=bound_ms,
                 solve_s=time.perf_counter() - started))
             modules.append(opt)
-            log.info("%s %s %s: planned", name, target, "selective" if selective else "segments")
+            log.info("%s %s %s: planned", name, target, METHODS[(selective, simplified)])
     ratios = step_time_ratios(modules, inputs, repeats, device)
     result.every_step_time = ratios[1]
     anchors = 2
@@ -274,6 +290,12 @@ def main() -> None:
     add_docs_argument(parser)
     parser.add_argument("--exact", action="store_true",
                         help="plan with optimize(..., exact=True); written to quality[_cuda]_exact.*")
+    parser.add_argument("--simplify-attention-masks", action="store_true",
+                        help="on the transformers, also plan with optimize(..., simplify_attention_masks=True): "
+                             "rows labelled 'planner, masks simplified'")
+    parser.add_argument("--name", default=None,
+                        help="file name (no suffix) of the results and the docs page "
+                             "(default quality, quality_cuda, with _exact after --exact)")
     args = parser.parse_args()
     benchmark_logging()
     device = torch.device(args.device)
@@ -287,7 +309,8 @@ def main() -> None:
     results: list[ModelResult] = []
     with tempfile.TemporaryDirectory(prefix="quality-profiles-") as cache_dir:
         for name in models:
-            results.append(run_model(name, args.repeats, cache_dir, device, exact=True if args.exact else None))
+            results.append(run_model(name, args.repeats, cache_dir, device, exact=True if args.exact else None,
+                                     simplify_attention_masks=args.simplify_attention_masks))
             log.info("%s done at %.0f s", name, time.perf_counter() - started)
     import pandas
 
@@ -295,7 +318,7 @@ def main() -> None:
              "every_extra_flops": r.every_extra_flops, "base_peak_bytes": r.base_peak_bytes,
              "base_flops": r.base_flops} for r in results for row in r.rows]
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = ("quality" if device.type == "cpu" else "quality_cuda") + ("_exact" if args.exact else "")
+    stem = args.name or ("quality" if device.type == "cpu" else "quality_cuda") + ("_exact" if args.exact else "")
     pandas.DataFrame(rows).to_csv(args.out / f"{stem}.csv", index=False)
     text = markdown(results, args.repeats, where + (", exact=True" if args.exact else ""), time.perf_counter() - started)
     (args.out / f"{stem}.md").write_text(text)
