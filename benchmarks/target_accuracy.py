@@ -76,10 +76,13 @@ def measured_points(name: str) -> dict[str, Any]:
 
 def fake_profile(name: str, target: str = "h100") -> CostGraph:
     """Build the model of profile ``name`` on CPU, capture it and profile it on fake tensors for
-    ``target``, as ``ckpt-planner report --target`` does."""
+    ``target``, as ``ckpt-planner report --target --output-held`` does: the H100 profiles and
+    their measured peaks (tests/data/h100/README.md) are of steps that held the output through
+    the backward, so the prediction is made for that step."""
     import models
     import torch
 
+    from profiling.measure import TrainingStep
     from profiling.profile import profile_graph
     from profiling.trace import trace_module
 
@@ -87,7 +90,7 @@ def fake_profile(name: str, target: str = "h100") -> CostGraph:
     builder_fn: Callable[..., Any] = getattr(models, builder)
     model, example = builder_fn(**config)
     gm = trace_module(model, example, simplify_attention_masks=True)
-    graph = profile_graph(gm, example, fake=True, target=target)
+    graph = profile_graph(gm, example, fake=True, target=target, step=TrainingStep(output_held=True))
     del model, example, gm
     gc.collect()
     torch.set_num_threads(torch.get_num_threads())

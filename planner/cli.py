@@ -76,6 +76,14 @@ def load_entry_point(spec: str) -> tuple[Any, Any]:
     return result
 
 
+def _step(args: argparse.Namespace) -> Any:
+    """The training step the command line plans for: the output's loss, the output held
+    through the backward only with ``--output-held``."""
+    from profiling.measure import TrainingStep
+
+    return TrainingStep(output_held=args.output_held)
+
+
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
     """The planning options the command line sets; the rest keep their defaults."""
     return PlanOptions(max_stages=args.max_stages, exact=args.exact or None, max_solve_s=args.max_solve_s)
@@ -87,7 +95,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     model, example_inputs = load_entry_point(args.target)
     opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
                    exact=args.exact or None, max_solve_s=args.max_solve_s, trace_method=args.trace_method,
-                   simplify_attention_masks=args.simplify_attention_masks, chunk_loss=args.chunk_loss)
+                   simplify_attention_masks=args.simplify_attention_masks, chunk_loss=args.chunk_loss,
+                   output_held=args.output_held)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -167,7 +176,7 @@ def _check_command(args: argparse.Namespace) -> int:
             if not args.update:
                 raise
     name, module, inputs = _load_target(args, allow_entry_point=True)
-    graph = profile_graph(_captured(module, inputs, args), inputs, fake=True)
+    graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, step=_step(args))
     budgets = [int(gb * 2**30) for gb in args.budget_gb or []]
     if not budgets and baseline is not None:
         budgets = [p["budget_bytes"] for p in baseline["plans"]]
@@ -229,8 +238,9 @@ def _report_command(args: argparse.Namespace) -> int:
     def profile(captured: Any) -> Any:  # each capture profiled once (the loss chunks ask again)
         if captured.code not in profiles:
             # fake tensors with a target: nothing allocated, times from the target's roofline
-            profiles[captured.code] = (profile_graph(captured, inputs, fake=True, target=args.target_device)
-                                       if args.target_device else profile_graph(captured, inputs))
+            profiles[captured.code] = (profile_graph(captured, inputs, fake=True, target=args.target_device,
+                                                     step=_step(args))
+                                       if args.target_device else profile_graph(captured, inputs, step=_step(args)))
         return profiles[captured.code]
 
     captures = [0]

@@ -89,6 +89,10 @@ def _add_max_stages(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_solve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-held", action="store_true",
+                        help="plan for a training loop that keeps the model's output alive through the backward "
+                             "(default: the output is dropped once the loss is taken, as in "
+                             "model(**batch).loss.backward() and the HF Trainer)")
     parser.add_argument("--simplify-attention-masks", action="store_true",
                         help="pass is_causal instead of a constant causal mask to attention where the model "
                              "passes the mask: a faster kernel, but other rounding and attention-dropout "

@@ -59,6 +59,9 @@ class Report:
     #: what the profile ran on (``graph.metadata``): "target" for a roofline of another device,
     #: else "device" where it was measured; "" when the profile does not say
     device: str = ""
+    #: the training step profiled (``graph.metadata["step"]``: the loss, and whether the output
+    #: is held through the backward); "" when the profile does not say
+    graph_step: str = ""
     #: the least recompute time any plan fitting the budget needs (None: not asked)
     bound: RecomputeBound | None = None
     #: the smallest feasible budgets in bytes without and with the output head and loss in row
@@ -97,6 +100,7 @@ class Report:
             "pareto": [_plan_dict(p) for p in self.pareto],
             "smallest_feasible_budget": None if self.loss_chunk_floors is None else {
                 "bytes": self.loss_chunk_floors[0], "with_chunk_loss_bytes": self.loss_chunk_floors[1]},
+            "training_step": self.graph_step,
             "lower_bound": None if self.bound is None else {
                 "recompute_ms": None if self.bound.proven_infeasible else self.bound.bound,
                 "proven_infeasible": self.bound.proven_infeasible,
@@ -169,6 +173,7 @@ def build_report(
         bound=bound,
         loss_chunk_floors=loss_chunk_floors,
         device=_profiled_on(graph),
+        graph_step=str(graph.metadata.get("step") or ""),
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
 
@@ -190,6 +195,7 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
     summary = [
         ["model", f"{report.model_name} ({report.node_count} nodes)"],
         ["profiled on", report.device or "n/a"],
+        ["training step", str(report.graph_step) or "n/a"],
         ["unoptimized peak (predicted)", _mib(plan.unoptimized_peak_bytes)],
         ["unoptimized peak (measured)", _mib(plan.measured_unoptimized_peak_bytes)],
         ["unoptimized peak at", f"{report.unoptimized_peak_phase} of {report.unoptimized_peak_node}"

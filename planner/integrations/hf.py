@@ -9,7 +9,10 @@ every later one runs the plan. The model stays the Trainer's own ``PreTrainedMod
 eval mode, on the model's own forward. Needs ``transformers`` (``pip install ckpt-planner[hf]``).
 
 The budget is for one training step's peak (parameters, gradients, activations, temporaries);
-optimizer state is outside it: keep room for it with ``reserve_gb``.
+optimizer state is outside it: keep room for it with ``reserve_gb``. The Trainer's step takes
+the output's ``loss`` and drops the output before ``backward`` (``compute_loss`` returns the
+loss alone): the planner's default step (``loss_fn=None``, ``output_held=False``). A custom
+``compute_loss`` that applies its own criterion passes it as ``loss_fn``.
 
 Example:
     >>> callback = PlannerCallback(budget_fraction=0.6, timing_repeats=1)

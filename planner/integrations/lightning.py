@@ -8,6 +8,13 @@ checkpoints are unchanged; validation runs in eval mode, on the model's own forw
 ``pytorch-lightning`` (``pip install ckpt-planner[lightning]``); the ``lightning`` package's
 ``lightning.pytorch`` is used where it is installed instead.
 
+A ``training_step`` applies its criterion outside the planned model
+(``F.cross_entropy(self.model(x), y)``) and returns the loss, dropping the output: pass that
+criterion as ``loss_fn`` (``PlannerCallback(budget_fraction=0.6, loss_fn=...)``, taking the
+model's output) so what it saves for the backward is planned for; without it the step's loss is
+the output's ``loss`` field, else the sum of its outputs. ``output_held=True`` for a step that
+keeps the output until after ``backward``.
+
 Example:
     >>> PlannerCallback(budget_fraction=0.6).submodule
     'model'
