@@ -44,7 +44,7 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
     Example:
         >>> import torch
         >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb=0.001)
-        960
+        836
         >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb="1")
         Traceback (most recent call last):
         ...
