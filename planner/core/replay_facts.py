@@ -73,12 +73,11 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
         for name in node.input_names:
             for k in value_storages[name]:
                 last_use[k] = max(last_use.get(k, i), i)
-    if not graph.output_held:
-        # outputs the caller drops live until the forward ends (the loss is taken), not longer
-        end = len(nodes) - 1
-        for name in graph.output_names:
-            for k in value_storages[name]:
-                last_use[k] = end
+    # outputs the caller drops live until the forward ends (the loss is taken), not longer
+    dropped = () if graph.output_held else tuple(dict.fromkeys(
+        k for name in graph.output_names if name not in graph.loss_names for k in value_storages[name]))
+    for k in dropped:
+        last_use[k] = len(nodes) - 1
     returned = frozenset(k for name in graph.held_output_names for k in value_storages[name])
     compute_positions = [i for i, n in enumerate(nodes) if n.kind == "compute"]
     made = tuple(tuple(dict.fromkeys(k for k in (*n.output_storages, *n.saved_storages) if k not in persistent))
@@ -87,7 +86,8 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
                      for i in range(len(nodes)))
     saved = tuple(tuple(dict.fromkeys(k for k in n.saved_storages if k not in persistent)) for n in nodes)
     forward_frees = tuple(
-        tuple(k for k in dict.fromkeys(k for name in n.input_names for k in value_storages[name])
+        tuple(k for k in dict.fromkeys((*(k for name in n.input_names for k in value_storages[name]),
+                                        *(dropped if i == len(nodes) - 1 else ())))
               if last_use.get(k) == i and k not in returned)
         for i, n in enumerate(nodes))
     grad_key: dict[str, object] = {
