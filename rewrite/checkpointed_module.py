@@ -25,6 +25,7 @@ from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules
 from rewrite.held_output import HeldOutputCheck
+from rewrite.saving import SavesAsTheModel
 from rewrite.segments import apply_plan, fresh_copy
 from rewrite.signature import (ForwardWithTheModelsSignature, autocast_state, describe_inputs, input_signature,
                                signature_of)
@@ -78,7 +79,7 @@ def _distributed_world_size() -> int:
     return 1
 
 
-class CheckpointedModule(torch.nn.Module):
+class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
     """The module ``optimize`` returns: the rewritten graph in training, the user's own module
     in eval mode (``opt.eval()`` or ``model.eval()``: the graph is specialised to training).
 
@@ -92,6 +93,10 @@ class CheckpointedModule(torch.nn.Module):
     again for the same budget by ``replan`` (one INFO log line, then cached); without
     ``replan`` they raise :class:`PlannerError`. Profiling new shapes runs a backward, so under
     ``torch.distributed`` it is refused: plan each shape before wrapping (:meth:`plan_for`).
+
+    It saves as the model does (:mod:`rewrite.saving`): ``save_pretrained`` is the model's own,
+    and ``torch.save(opt)`` keeps the model and its plans, capturing the graph again on the first
+    training call after loading.
 
     Example:
         >>> import torch
@@ -235,7 +240,8 @@ class CheckpointedModule(torch.nn.Module):
         return unit_variant
 
     def _planned_variant(self, key: tuple[Any, ...], inputs: StepInputs, explicit: bool) -> PlannedVariant:
-        if self._planned_key is None:  # built without example inputs: the first call is the planned one
+        if self._planned_key is None and self.graph_module is not None:
+            # built without example inputs: the first call is the planned one
             self._planned_key = key
             self._variants[key] = PlannedVariant(self.graph_module, self.plan, self.cost_graph)
         variant = self._variants.get(key)
@@ -278,12 +284,16 @@ class CheckpointedModule(torch.nn.Module):
             log.debug("re-planned graph keeps its own module tree")
         variant = PlannedVariant(gm, plan, graph)
         self._remember(key, variant, inputs)
+        if self.graph_module is None:  # loaded from a file: this is its graph now
+            object.__setattr__(self, "graph_module", gm)
         return variant
 
     def _why(self, key: tuple[Any, ...], inputs: StepInputs) -> str:
         """One phrase saying what differs from the inputs already planned."""
         signature, autocast, in_eval, grads_held = key
         planned = self._planned_key
+        if self.graph_module is None:
+            return "loaded from a file: the rewritten graph is captured again"
         if planned is not None and signature != planned[0] and key[:3] not in self._profiles:
             before = self._profiles.get(planned[:3], (None, "the example inputs"))[1]
             return f"inputs {describe_inputs(inputs)} (planned for {before})"
@@ -300,6 +310,7 @@ class CheckpointedModule(torch.nn.Module):
     def _checkpointed_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.original.training:  # opt.eval() or model.eval(): the user's own module
             return self.original(*args, **kwargs)
+        self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
         output = variant.graph_module(*args, **kwargs)
         if variant.cost_graph is not None and not variant.cost_graph.output_held:
@@ -307,6 +318,13 @@ class CheckpointedModule(torch.nn.Module):
         return output
 
     forward = ForwardWithTheModelsSignature()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the rewritten graphs do not pickle (torch.export's graph modules hold local functions):
+        # the model, plans and profiles do; the first training call captures the graph again
+        state = dict(self.__dict__)
+        state.update(graph_module=None, _variants={}, _unit_variants={})
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":
         cls = type(self)
@@ -318,6 +336,6 @@ class CheckpointedModule(torch.nn.Module):
                 object.__setattr__(new, name, copy.deepcopy(value, memo))
         for variant in (*new._variants.values(), *new._unit_variants.values()):
             attach_to_user_modules(variant.graph_module, new.original)
-        if not new._variants:
+        if not new._variants and new.graph_module is not None:
             attach_to_user_modules(new.graph_module, new.original)
         return new

@@ -30,6 +30,7 @@ import torch.utils.checkpoint
 
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan
+from rewrite.saving import SavesAsTheModel
 from rewrite.signature import ForwardWithTheModelsSignature, signature_of
 
 __all__ = ["ModuleCheckpointedModule", "checkpointed_forward"]
@@ -73,13 +74,14 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-class ModuleCheckpointedModule(torch.nn.Module):
+class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
     """The user's module with the submodules at ``checkpointed`` (module paths) run under
     ``torch.utils.checkpoint`` in training; in eval mode, the user's module as it is.
 
     Its module tree *is* the user's (``state_dict()`` keys and parameter objects are the
     model's own). ``plan`` is the plan the paths came from (``plan.capture == "modules"``),
-    ``cost_graph`` the module-level profile it was solved on.
+    ``cost_graph`` the module-level profile it was solved on. It saves as the model does
+    (:mod:`rewrite.saving`).
     """
 
     def __init__(self, original: torch.nn.Module, plan: Plan | None, checkpointed: tuple[str, ...],
@@ -125,6 +127,7 @@ class ModuleCheckpointedModule(torch.nn.Module):
     def _checkpointed_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.original.training or not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
+        self._check_the_caller()
         with self.checkpoints_installed():
             return self.original(*args, **kwargs)
 
