@@ -160,11 +160,14 @@ def test_bad_model_and_inputs_are_rejected():
         optimize(model, 3, budget_gb=1.0)
 
 
-def test_run_step_returns_output_and_fills_grads():
+def test_run_step_returns_output_only_when_the_step_holds_it_and_fills_grads():
+    from profiling.measure import TrainingStep
+
     model, inputs = make()
-    out = run_step(model, StepInputs.from_example(inputs))
-    assert out.shape == (512, 3)
+    assert run_step(model, StepInputs.from_example(inputs)) is None  # dropped once the loss is taken
     assert all(p.grad is not None for p in model.parameters())
+    out = run_step(model, StepInputs.from_example(inputs), TrainingStep(output_held=True))
+    assert out.shape == (512, 3)
 
 
 def test_selective_segment_keeps_outputs_matches_prediction_and_gradients():
