@@ -16,6 +16,7 @@ import models
 from planner import optimize
 from profiling import StepInputs, measure_step_peak_bytes
 from profiling.attention_masks import attention_nodes, named_arguments
+from planner.core.errors import TraceError
 from profiling.trace import trace_module
 from test_end_to_end import loss_and_grads
 
@@ -106,3 +107,41 @@ def test_the_opt_in_mask_simplification_is_labelled_in_the_plan():
                    simplify_attention_masks=True)
     assert opt.plan.computation_changes and "simplify-attention-masks" in opt.plan.computation_changes[0]
     assert "CHANGED" in opt.plan.summary()
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward, doubled gradient: a backward that is not its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _CustomFunctionBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + _ScaledGradient.apply(torch.tanh(self.linear(x)))
+
+
+def test_a_custom_autograd_function_is_never_captured_its_backward_stays_the_users():
+    """A capture records a Function's forward ops and differentiates them, dropping its own
+    backward (here a doubled gradient): such a model is planned over submodule calls instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_CustomFunctionBlock() for _ in range(3)]).train()
+    x = torch.randn(64, 32)
+    with pytest.raises(TraceError, match="custom autograd.Function _ScaledGradient"):
+        trace_module(model, (x,))
+    opt = optimize(model, (x,), budget_gb=1.0, timing_repeats=1)
+    assert opt.plan.capture == "modules"
+    model(x).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    opt(x).sum().backward()
+    assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
