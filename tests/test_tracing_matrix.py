@@ -323,11 +323,38 @@ def test_trace_error_names_submodule_line_and_fix():
 def test_trace_error_for_a_returned_cache_says_use_cache_false():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0,
-                        use_cache=True)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(TraceError, match="use_cache=False"):
-        trace_module(GPT2LMHeadModel(config), {"input_ids": ids})
+    with pytest.raises(TraceError, match="use_cache=False"):  # the inputs ask for the cache themselves
+        trace_module(GPT2LMHeadModel(config), {"input_ids": ids, "use_cache": True})
+
+
+def test_a_default_config_hf_model_plans_on_the_graph_path_with_its_config_untouched():
+    """Every HF config defaults to ``use_cache=True``: the step is captured without the cache
+    (which a training step does not use), so the model plans on the graph, trains bit for bit
+    and still returns its cache outside training."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500)).train()
+    assert model.config.use_cache is True
+    ids = torch.randint(0, 500, (4, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    eager = copy.deepcopy(model)
+    opt = optimize(model, batch, budget_gb=0.9 * 3825928 / 2**30, timing_repeats=1, max_stages=12)
+    assert opt.plan.capture == "graph" and opt.plan.segments
+    assert model.config.use_cache is True and model.transformer.config.use_cache is True
+    torch.manual_seed(2)
+    loss = opt(**batch).loss
+    loss.backward()
+    torch.manual_seed(2)
+    eager_loss = eager(**batch).loss
+    eager_loss.backward()
+    assert torch.equal(loss, eager_loss)
+    grads = dict(eager.named_parameters())
+    assert all(torch.equal(p.grad, grads[name].grad) for name, p in model.named_parameters())
+    with torch.no_grad():
+        assert opt.eval()(input_ids=ids).past_key_values is not None  # eval: the model's own forward
 
 
 def test_profiling_and_solving_report_progress(tmp_path, caplog):
