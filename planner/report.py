@@ -186,7 +186,9 @@ def _profiled_on(graph: CostGraph) -> str:
 
 
 def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / MIB:.1f} MiB"
+    if n is None:
+        return "n/a"
+    return f"{n / MIB:.1f} MiB" if abs(n) >= MIB // 10 else f"{n / 1024:.1f} KiB"  # a tiny model's peak reads
 
 
 def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -48,7 +48,7 @@ def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: i
         >>> assert_peak_memory(torch.nn.Linear(8, 8), (torch.randn(4, 8),), max_gb="1")
         Traceback (most recent call last):
         ...
-        planner.core.errors.InputError: max_gb must be a number of GiB, got str
+        planner.core.errors.InputError: max_gb must be a number of GiB, got the string '1': pass max_gb=1 (a float, not a str)
     """
     limit = check_budget_gb(max_gb, "max_gb")
     if not isinstance(top, int) or isinstance(top, bool) or top < 0:

@@ -2,9 +2,12 @@
 always exits 0, 2 or 3 (1 only for a ``check`` regression), and a failure is one line on
 stderr, never a traceback.
 
-The corpus is built once per module: a tiny exported program, the same archive truncated, a
-text file named ``.pt2``, an empty directory, a HuggingFace directory whose ``config.json`` is
-broken, a path that does not exist, and an entry point returning a tiny model. Every example
+The corpus is built once per module: a tiny exported program, the same program exported under
+``torch.no_grad()``, the archive truncated, a text file named ``.pt2``, an empty directory, a
+HuggingFace directory whose ``config.json`` is broken, one whose ``config.json`` names an
+unknown architecture, a path that does not exist, and entry points returning a tiny model, a
+wider one (over 1 MiB), one on the ``meta`` device and one whose parameters are all frozen.
+Budgets include 1 MiB and a ``--sweep`` of 100 points. Every example
 runs ``planner.cli.main`` in-process with the corpus folder as working directory (the output
 names ``--plot``, ``--junit`` and ``--baseline`` draw from are relative, so they land there),
 and takes well under a second.
@@ -31,7 +34,10 @@ EXAMPLE_BOUND_S = 60.0
 
 #: good targets come up more often, so that many examples get as far as planning
 TARGETS = ("tiny.pt2", "tiny.pt2", "tiny.pt2", "entry.py:build", "entry.py:build", "truncated.pt2", "text.pt2",
-           "empty_dir", "bad_hf", "missing.pt2", "entry.py:nothing", "no_colon")
+           "empty_dir", "bad_hf", "missing.pt2", "entry.py:nothing", "no_colon", "no_grad.pt2", "unknown_hf",
+           "entry.py:meta", "entry.py:frozen")
+#: 1 MiB, in GiB
+ONE_MIB_GB = repr(2**20 / 2**30)
 OUTPUT_NAMES = ("out.png", "out.jpg", "plots/out.png", "b.json", "b.json", "missing_dir/b.json", "result.xml",
                 "missing_dir/result.xml", "empty_dir", "text.pt2", "")
 
@@ -42,12 +48,12 @@ GARBAGE = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=8),
 )
-BUDGETS = st.one_of(st.sampled_from(("1", "0.001", "1e-4", "1e-5", "1e-6", "0.5")),
+BUDGETS = st.one_of(st.sampled_from(("1", "0.001", ONE_MIB_GB, "1e-4", "1e-5", "1e-6", "0.5")),
                     st.floats(1e-7, 4.0).map(repr))
 #: each flag with values it should accept, and the subcommands that have it
 FLAGS: dict[str, tuple[st.SearchStrategy[str] | None, tuple[str, ...]]] = {
     "--budget-gb": (BUDGETS, ("report", "check", "plan")),
-    "--sweep": (st.integers(2, 12).map(str), ("report",)),
+    "--sweep": (st.sampled_from(("2", "5", "12", "100")), ("report",)),
     "--format": (st.sampled_from(("text", "json", "csv", "markdown")), ("report", "check", "plan")),
     "--plot": (st.sampled_from(OUTPUT_NAMES), ("report",)),
     "--bound-s": (st.sampled_from(("0", "0.5", "2")), ("report",)),
@@ -76,18 +82,34 @@ def corpus(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8)).train()
     torch.export.save(torch.export.export(model, (torch.randn(8, 8),), strict=False), root / "tiny.pt2")
+    with torch.no_grad():
+        torch.export.save(torch.export.export(model, (torch.randn(8, 8),), strict=False), root / "no_grad.pt2")
     data = (root / "tiny.pt2").read_bytes()
     (root / "truncated.pt2").write_bytes(data[: len(data) // 2])
     (root / "text.pt2").write_text("this is not an archive\n")
     (root / "empty_dir").mkdir()
     (root / "bad_hf").mkdir()
     (root / "bad_hf" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": ')
+    (root / "unknown_hf").mkdir()
+    (root / "unknown_hf" / "config.json").write_text(
+        '{"architectures": ["FrobnicatorForCausalLM"], "model_type": "frobnicator", "hidden_size": 8}')
     (root / "entry.py").write_text(
         "import torch\n\n"
         "def build():\n"
         "    torch.manual_seed(0)\n"
         "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))\n"
-        "    return model.train(), (torch.randn(8, 8),)\n"
+        "    return model.train(), (torch.randn(8, 8),)\n\n"
+        "def wide():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 256))\n"
+        "    return model.train(), (torch.randn(64, 256),)\n\n"
+        "def meta():\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))\n"
+        "    return model.train(), (torch.randn(8, 8, device='meta'),)\n\n"
+        "def frozen():\n"
+        "    model, inputs = build()\n"
+        "    return model.requires_grad_(False), inputs\n"
     )
     return root
 
@@ -165,12 +187,64 @@ def test_every_command_line_exits_cleanly(scratch_corpus, argv):
     ["plan", "no_colon", "--budget-gb", "1"],
     ["plan", "entry.py:build", "--budget-gb", "1e-9"],
     ["report", "tiny.pt2", "--budget-gb", "1e-12"],
+    ["report", "tiny.pt2", "--budget-gb", "1", "--sweep", "101"],
+    ["report", "unknown_hf", "--budget-gb", "1"],
+    ["plan", "entry.py:meta", "--budget-gb", "1"],
+    ["plan", "entry.py:frozen", "--budget-gb", "1"],
+    ["plan", "entry.py:wide", "--budget-gb", ONE_MIB_GB],
 ])
 def test_known_bad_command_lines_are_one_line(corpus, argv):
     code, _, err, _ = run_in(corpus, argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code in (2, 3) and len(lines) == 1 and lines[0].startswith("ckpt-planner: "), (argv, code, err)
     assert not (corpus / "missing_dir").exists()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["report", "unknown_hf", "--budget-gb", "1"], "save_pretrained directory of a transformers model"),
+    (["plan", "entry.py:meta", "--budget-gb", "1"], "materialise the model first"),
+    (["plan", "entry.py:frozen", "--budget-gb", "1"], "nothing to train"),
+    (["plan", "entry.py:wide", "--budget-gb", ONE_MIB_GB], "the smallest feasible budget is"),
+])
+def test_each_refusal_says_what_to_do(corpus, argv, says):
+    code, _, err, _ = run_in(corpus, argv)
+    assert code == (3 if "feasible" in says else 2) and says in err, (argv, code, err)
+
+
+def test_a_tiny_model_at_one_mib_a_no_grad_export_and_a_sweep_of_100_plan(corpus):
+    """A budget of 1 MiB over a model of a few KiB plans (nothing to recompute), the peak shown
+    in KiB; a program exported under ``torch.no_grad()`` is the same graph and plans the same;
+    ``--sweep 100`` plans every distinct point there is (here one)."""
+    import json
+
+    code, out, err, _ = run_in(corpus, ["report", "tiny.pt2", "--budget-gb", ONE_MIB_GB, "--format", "json",
+                                        "--no-bound", "--sweep", "100"])
+    assert code == 0, err
+    tiny = json.loads(out)
+    assert tiny["plan"]["predicted_peak_bytes"] <= tiny["plan"]["budget_bytes"] == 2**20
+    assert len(tiny["pareto"]) == 1
+    code, text, err, _ = run_in(corpus, ["report", "tiny.pt2", "--budget-gb", ONE_MIB_GB, "--no-bound"])
+    assert code == 0 and " KiB" in text and "0.0 MiB" not in text, text
+    code, out, err, _ = run_in(corpus, ["report", "no_grad.pt2", "--budget-gb", ONE_MIB_GB, "--format", "json",
+                                        "--no-bound"])
+    assert code == 0, err
+    no_grad = json.loads(out)
+    assert no_grad["unoptimized"]["predicted_peak_bytes"] == tiny["unoptimized"]["predicted_peak_bytes"]
+
+
+@pytest.mark.parametrize("budget", ["1", "0.5GB"])
+def test_a_budget_given_as_a_string_is_one_line_naming_the_number(budget):
+    from planner import InputError, enable, optimize
+    from planner.integrations.hf import PlannerCallback
+
+    model, inputs = torch.nn.Linear(4, 4), (torch.randn(2, 4),)
+    for call in (lambda: optimize(model, inputs, budget_gb=budget), lambda: enable(model, inputs, budget_gb=budget),
+                 lambda: PlannerCallback(budget_gb=budget)):
+        with pytest.raises(InputError) as refused:
+            call()
+        message = str(refused.value)
+        assert "\n" not in message and f"the string {budget!r}" in message, message
+        assert ("budget_gb=1 " if budget == "1" else "budget_gb=6 for 6 GiB") in message, message
 
 
 def test_a_good_command_line_plans(corpus):

@@ -304,7 +304,7 @@ def test_plot_legend_tells_close_peaks_apart_and_title_names_the_device(tmp_path
 
 
 @pytest.mark.parametrize("max_gb, message", [
-    ("1", "must be a number of GiB, got str"),
+    ("1", "must be a number of GiB, got the string '1': pass max_gb=1"),
     (None, "must be a number of GiB, got NoneType"),
     (True, "must be a number of GiB, got bool"),
     (float("nan"), "positive finite number of GiB"),

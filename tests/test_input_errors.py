@@ -34,7 +34,7 @@ def assert_one_line(exc: BaseException, *fragments: str) -> None:
     (-1.0, "positive finite number of GiB"),
     (float("nan"), "positive finite number of GiB"),
     (float("inf"), "positive finite number of GiB"),
-    ("2", "must be a number of GiB, got str"),
+    ("2", "must be a number of GiB, got the string '2': pass budget_gb=2"),
     (True, "must be a number of GiB, got bool"),
     (6000, "budget_gb=6000 looks like the wrong unit"),
     (8e9, "looks like the wrong unit"),

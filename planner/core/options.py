@@ -31,7 +31,19 @@ def check_budget_gb(budget_gb: float, name: str = "budget_gb") -> int:
     Example:
         >>> check_budget_gb(0.5)
         536870912
+        >>> check_budget_gb("0.5")
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: budget_gb must be a number of GiB, got the string '0.5': pass budget_gb=0.5 (a float, not a str)
     """
+    if isinstance(budget_gb, str):
+        try:
+            value = float(budget_gb)
+        except ValueError:
+            value = None
+        fix = (f"pass {name}={value:g} (a float, not a str)" if value is not None and math.isfinite(value)
+               and value > 0 else f"pass a float, e.g. {name}=6 for 6 GiB")
+        raise InputError(f"{name} must be a number of GiB, got the string {budget_gb!r}: {fix}")
     if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
         raise InputError(f"{name} must be a number of GiB, got {type(budget_gb).__name__}")
     if not math.isfinite(budget_gb) or budget_gb <= 0:
