@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,13 @@ from planner.core.costgraph import (
     shard_parameters,
 )
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
-from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_gb
+from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
 from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
+from planner.solvers.hand_policies import hand_placed_within_noise
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
@@ -103,8 +106,12 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
                      time_limit_s=options.time_limit_s, selective=options.selective, exact=options.exact,
                      max_solve_s=options.max_solve_s)
     except InfeasibleBudgetError as exc:
+        unoptimized = exc.unoptimized_peak_bytes
+        if unoptimized is None:
+            unoptimized = graph.measured_peak_bytes or simulate(graph).peak_bytes
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
-            exc.min_feasible_bytes, reserve_bytes, options.safety_margin)) from None
+            exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
+    plan = hand_placed_within_noise(graph, plan, planning_bytes)
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 
@@ -142,8 +149,9 @@ class CaptureOptions:
 def optimize(
     model: Any,
     example_inputs: Any,
-    budget_gb: float,
+    budget_gb: float | None = None,
     *,
+    budget_fraction: float | None = None,
     reserve_gb: float = 0.0,
     trace_method: str = "export",
     max_stages: int = 32,
@@ -169,7 +177,12 @@ def optimize(
         example_inputs: a tuple of positional arguments, or a dict of keyword arguments, shaped
             like a real batch.
         budget_gb: peak training-step memory allowed, in GiB (2**30 bytes): parameters, buffers,
-            inputs, activations, gradients and temporaries of one forward plus backward.
+            inputs, activations, gradients and temporaries of one forward plus backward. A budget
+            at or above the step's measured unoptimized peak (with ``reserve_gb`` and
+            ``safety_margin`` kept free) returns the empty plan at once, nothing profiled.
+        budget_fraction: instead of ``budget_gb``: this share, in (0, 1], of the unoptimized
+            step's peak, measured at the allocator on ``example_inputs`` (one training step run
+            eagerly first); inputs of another shape are then planned for the same budget in GiB.
         reserve_gb: room set aside inside the budget (e.g. for optimizer state).
         trace_method: ``"export"`` (default) or ``"symbolic_trace"``: capture the forward as a
             graph, and where capture fails plan over submodule calls instead (one warning names
@@ -202,8 +215,8 @@ def optimize(
             until it proves the plan the cheapest over the stages or finds a cheaper one
             (:mod:`planner.solvers.relaxation`). None (default): on graphs of fewer than 64 compute
             nodes, where it is fast, and on graphs under 512 where the ILP's plan leaves more
-            than 1 % of the budget unused (up to 30 s; 14 to 22 % less recompute on the quality
-            models where it ran); True: always, which on a real model whose ILP plan fills the
+            than 1 % of the budget unused (up to 30 s, and up to 5 s once a plan is in hand;
+            14 to 22 % less recompute on the quality models where it ran); True: always, which on a real model whose ILP plan fills the
             budget costs up to 2x the solve time and rarely finds a cheaper plan (docs/benchmarks/exact_search.md).
         max_solve_s: stop improving the plan after this many seconds of solving and return the
             cheapest found by then (``plan.hit_time_limit`` says it was cut). The first ILP, and
@@ -244,17 +257,19 @@ def optimize(
         are re-planned for the same budget on first use (one INFO log line each, then cached).
 
     Raises:
-        InputError: a budget that is not a positive number of GiB or looks like another unit; a
+        InputError: neither or both of ``budget_gb`` and ``budget_fraction``; a budget that is
+            not a positive number of GiB or looks like another unit, a fraction outside (0, 1]; a
             model in eval mode, on the meta device or with nothing to train; inputs that do not
             fit ``model.forward`` or sit on another device.
-        InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget.
+        InfeasibleBudgetError: no plan fits; the message names the smallest feasible budget and
+            the unoptimized step's peak.
         TraceError: the model could not be captured and one training step of it, run eagerly,
             failed too (the message names both failures).
         ProfileError: with ``trace_method="modules"``, one training step failed when run eagerly.
         SolverError: no MILP solver is installed, or none found a plan within ``time_limit_s``.
     """
     # fail on a bad budget, option, model or inputs before the slow work
-    check_budget_gb(budget_gb)
+    check_budget_choice(budget_gb, budget_fraction)
     planning = PlanOptions(reserve_gb=reserve_gb, safety_margin=safety_margin, max_stages=max_stages, solver=solver,
                            time_limit_s=time_limit_s, selective=selective, world_size=world_size, exact=exact,
                            max_solve_s=max_solve_s)
@@ -262,6 +277,9 @@ def optimize(
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
+    if budget_fraction is not None:
+        budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
+    assert budget_gb is not None  # check_budget_choice asks for one of the two
     if capture.trace_method == "modules":
         return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                             step=capture.step)
@@ -278,6 +296,14 @@ def optimize(
         except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
             raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
+
+
+def _budget_from_fraction(model: Any, example_inputs: Any, fraction: float, step: TrainingStep) -> float:
+    """``fraction`` of the unoptimized step's peak measured on ``example_inputs``, in GiB."""
+    peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example(example_inputs), step)
+    budget_gb = fraction * peak_bytes / GIB
+    log.info("budget %.4f GiB: %.3g of the measured unoptimized peak %.4f GiB", budget_gb, fraction, peak_bytes / GIB)
+    return budget_gb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +330,9 @@ class Replanner:
         return self.planning.world_size
 
     def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
-                 grads_held: bool = False) -> tuple[Any, Plan, CostGraph]:
+                 grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
+        """The rewritten graph, its plan and the profile it was solved on (None where the
+        measured unoptimized step fits the budget: the empty plan, nothing profiled)."""
         from planner.loss_chunking import plan_choosing_loss_chunks
 
         def trace() -> Any:
@@ -321,6 +349,10 @@ class Replanner:
             return plan_for_budget(profiled, budget, self.planning, grads_held=grads_held)
 
         gm = trace()
+        if graph is None and not grads_held and self.planning.world_size == 1:
+            roomy = self._plan_if_the_step_fits(gm, example_inputs)
+            if roomy is not None:
+                return apply_plan(gm, roomy), roomy, None
         if graph is None:
             graph = profile(gm)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
@@ -349,6 +381,26 @@ class Replanner:
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
 
+    def _plan_if_the_step_fits(self, gm: Any, example_inputs: Any) -> Plan | None:
+        """The empty plan when one measured step of ``gm`` (nothing recomputed) fits the
+        planning room (the budget less ``reserve_gb`` and ``safety_margin``), else None: a roomy
+        budget needs no profile and no solve."""
+        started = time.perf_counter()
+        budget_bytes = check_budget_gb(self.budget_gb)
+        room_bytes = int((budget_bytes - self.planning.reserve_bytes) * (1 - self.planning.safety_margin))
+        peak_bytes = measure_step_peak_bytes(gm, StepInputs.from_example(example_inputs), self.capture.step)
+        if peak_bytes > room_bytes:
+            log.debug("the unoptimized step peaks at %.4f GiB, above the room of %.4f GiB: planning", peak_bytes / GIB,
+                      room_bytes / GIB)
+            return None
+        log.info("plan: the unoptimized step's measured peak %.4f GiB fits the %.4f GiB budget: nothing to recompute, "
+                 "nothing profiled", peak_bytes / GIB, budget_bytes / GIB)
+        return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=peak_bytes, unoptimized_peak_bytes=peak_bytes,
+                    segments=(), forward_ms=0.0, step_ms=0.0, forward_flops=0,
+                    solver="none (the measured unoptimized step fits)", solve_s=time.perf_counter() - started,
+                    measured_unoptimized_peak_bytes=peak_bytes,
+                    computation_changes=tuple(gm.meta.get("computation_changes", ())))
+
     def _measured(self, gm: Any, plan: Plan, graph: CostGraph, example_inputs: Any) -> tuple[Any, Plan]:
         """``plan`` checked by measuring its step on the device (:mod:`planner.closed_loop`)."""
         inputs = StepInputs.from_example(example_inputs)
@@ -364,7 +416,10 @@ class Replanner:
             solved = plan_for_budget(with_held_bytes(graph, held_bytes), budget_gb, self.planning)
             return dataclasses.replace(solved, budget_bytes=plan.budget_bytes)
 
-        return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes)
+        try:
+            return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes)
+        except InfeasibleBudgetError as exc:
+            raise exc.with_unoptimized_peak(graph.measured_peak_bytes) from None
 
     def solve(self, graph: CostGraph, grads_held: bool = False, keep: frozenset[str] = frozenset(),
               extra_bytes: int = 0) -> Plan:

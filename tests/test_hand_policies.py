@@ -85,3 +85,35 @@ def test_on_the_h100_profiles_every_layer_and_its_matmul_policy_never_win(name):
     plan = solve(graph, budget)
     assert plan.predicted_peak_bytes <= budget
     assert plan.recompute_ms <= every_layer.recompute_ms + 1e-9
+
+
+def test_within_the_timing_noise_the_hand_placed_plan_with_fewer_flops_wins():
+    from planner.core.plan import Plan, Segment
+    from planner.core.rerun import rerun_cost
+    from planner.solvers.hand_policies import HAND_PLAN_TIME_TOLERANCE, hand_placed_within_noise
+
+    graph = layered(4)
+    every = next(h for h in hand_placed_plans(graph) if h.name == "every layer")
+    budget = simulate(graph, every.segments).peak_bytes  # every layer's own peak: the others do not fit
+    flops = sum(s.recompute_flops for s in every.segments)
+
+    def searched(ms_share: float, flops_extra: int) -> Plan:
+        """A search's plan: every layer's segments, priced ``ms_share`` of the hand plan's time
+        with ``flops_extra`` more FLOPs (what a plan cutting elsewhere costs)."""
+        segments = tuple(dataclasses.replace(s, recompute_ms=s.recompute_ms * ms_share,
+                                             recompute_flops=s.recompute_flops + flops_extra)
+                         for s in every.segments)
+        return Plan(budget, simulate(graph, segments).peak_bytes, budget, segments, graph.forward_ms, graph.step_ms,
+                    graph.forward_flops, "search", 0.0)
+
+    assert rerun_cost(graph, every.segments[0].node_names)[1] == every.segments[0].recompute_flops
+    near = searched(1 / (1 + HAND_PLAN_TIME_TOLERANCE / 2), 5)
+    close = hand_placed_within_noise(graph, near, budget)
+    # a hand-placed plan (the fewest FLOPs of those that fit) within the noise of the search's time
+    assert close.solver.startswith("hand-placed: ") and close.predicted_peak_bytes <= budget
+    assert sum(s.recompute_flops for s in close.segments) <= flops < sum(s.recompute_flops for s in near.segments)
+    assert close.recompute_ms <= near.recompute_ms * (1 + HAND_PLAN_TIME_TOLERANCE)
+    far = searched(1 / (1 + 2 * HAND_PLAN_TIME_TOLERANCE), 5)
+    assert hand_placed_within_noise(graph, far, budget) is far  # cheaper beyond the noise: kept
+    fewer = searched(1.0, -1)
+    assert hand_placed_within_noise(graph, fewer, budget) is fewer  # no more FLOPs than the hand plan: kept

@@ -38,6 +38,7 @@ from planner.solvers.keep import segment_with_kept
 from planner.solvers.stage_plans import _to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
+           "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE",
            "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "SAVED_MATMUL_OPS", "HAND_PLACED"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
@@ -222,3 +223,46 @@ def hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int,
     log.info("hand-placed candidate: %s, %.2f ms", best.name, best.recompute_ms)
     return _to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
                     f"{HAND_PLACED}: {best.name}", time.perf_counter() - started)
+
+
+#: A hand-placed plan that fits and recomputes fewer FLOPs replaces a plan predicted at most this
+#: share cheaper in time (docs/tuning.md#hand_plan_time_tolerance).
+HAND_PLAN_TIME_TOLERANCE = 0.1
+
+
+def hand_placed_within_noise(graph: CostGraph, plan: Plan, budget_bytes: int,
+                             tolerance: float = HAND_PLAN_TIME_TOLERANCE) -> Plan:
+    """``plan``, or the hand-placed plan (:func:`hand_placed_plans`) that fits ``budget_bytes``,
+    recomputes fewer FLOPs and is predicted at most ``tolerance`` slower: the fewest FLOPs of
+    those, then the least time.
+
+    Node times are measured, and a step's time swings by 10 % on a busy machine; FLOPs do not.
+    A search's plan that beats every-layer by less than that noise while recomputing more FLOPs
+    can step slower when measured, so within the noise the plan a person would write wins.
+
+    Example:
+        >>> from planner.core.costgraph import CostNode, Storage
+        >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+        >>> for i in range(1, 7):   # two layers of (linear, relu, add)
+        ...     op = ("aten.linear.default", "aten.relu.default", "aten.add.Tensor")[(i - 1) % 3]
+        ...     nodes.append(CostNode(f"n{i}", op, input_names=(nodes[-1].name,), output_storages=(i,),
+        ...                           saved_storages=(i,), output_bytes=2**20, requires_grad=True,
+        ...                           time_ms=1.0, flops=10**6 if "linear" in op else 0))
+        >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(7)), ("n6",))
+        >>> plan = hand_placed_candidate(g, 10 * 2**20, simulate(g).peak_bytes, 0.0)
+        >>> hand_placed_within_noise(g, plan, 10 * 2**20) is plan   # nothing fits with fewer FLOPs
+        True
+    """
+    flops = sum(s.recompute_flops for s in plan.segments)
+    limit_ms = plan.recompute_ms * (1 + tolerance)
+    better = [hand for hand in hand_placed_plans(graph)
+              if sum(s.recompute_flops for s in hand.segments) < flops and hand.recompute_ms <= limit_ms
+              and fits_budget(graph, hand.segments, budget_bytes)]
+    if not better:
+        return plan
+    best = min(better, key=lambda hand: (sum(s.recompute_flops for s in hand.segments), hand.recompute_ms))
+    log.info("hand-placed %s: %.2f ms and %d FLOPs against the search's %.2f ms and %d FLOPs, within the timing "
+             "noise: the plan a person would write", best.name, best.recompute_ms,
+             sum(s.recompute_flops for s in best.segments), plan.recompute_ms, flops)
+    return _to_plan(graph, list(best.segments), budget_bytes, plan.unoptimized_peak_bytes,
+                    simulate(graph, best.segments).peak_bytes, f"{HAND_PLACED}: {best.name}", plan.solve_s)
