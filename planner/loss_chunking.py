@@ -113,7 +113,8 @@ def plan_choosing_loss_chunks(gm: Any, graph: CostGraph, *, chunk_loss_on: bool,
                 raise
             raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes, note=(
                 f"chunk_loss=True (--chunk-loss) reaches a lower floor, {floor / GIB:.4f} GiB ({floor} bytes), by "
-                f"computing the output head and loss in row chunks (other summation order)")) from None
+                f"computing the output head and loss in row chunks (other summation order)"),
+                unoptimized_peak_bytes=exc.unoptimized_peak_bytes) from None
     plain: Plan | None = None
     plain_floor = 0
     try:
@@ -131,7 +132,8 @@ def plan_choosing_loss_chunks(gm: Any, graph: CostGraph, *, chunk_loss_on: bool,
     except InfeasibleBudgetError as exc:
         if plain is not None:
             return gm, plain, graph
-        raise InfeasibleBudgetError(exc.budget_bytes, min(exc.min_feasible_bytes, plain_floor)) from None
+        raise InfeasibleBudgetError(exc.budget_bytes, min(exc.min_feasible_bytes, plain_floor),
+                                    unoptimized_peak_bytes=exc.unoptimized_peak_bytes) from None
     if plain is not None and plain.recompute_ms <= chunked_plan.recompute_ms + extra_ms:
         log.info("loss chunks not used: %s of recompute without them, %s with them (%s of it the chunks')",
                  format_ms(plain.recompute_ms), format_ms(chunked_plan.recompute_ms + extra_ms), format_ms(extra_ms))

@@ -141,4 +141,5 @@ def _smallest_fitting(model: Any, inputs: Any, graph: CostGraph, options: PlanOp
                      plan.predicted_peak_bytes / GIB, measured / GIB, budget_bytes / GIB)
             return opt
         measured_bytes.append(measured)
-    raise InfeasibleBudgetError(budget_bytes, _budget_for(min(measured_bytes), options))
+    raise InfeasibleBudgetError(budget_bytes, _budget_for(min(measured_bytes), options),
+                                unoptimized_peak_bytes=graph.measured_peak_bytes)

@@ -381,6 +381,14 @@ class Replanner:
                  plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
         return apply_plan(gm, plan), plan, graph
 
+    def profile_for(self, model: Any, example_inputs: Any) -> CostGraph:
+        """The profile of ``model``'s step on ``example_inputs``, captured and profiled as
+        ``__call__`` does (what a plan made without a profile reads on demand)."""
+        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
+                          simplify_attention_masks=self.capture.simplify_attention_masks)
+        return cached_profile_graph(gm, example_inputs, self.capture.cache_dir, timing_repeats=self.capture.timing_repeats,
+                                    progress=self.capture.progress, step=self.capture.step)
+
     def _plan_if_the_step_fits(self, gm: Any, example_inputs: Any) -> Plan | None:
         """The empty plan when one measured step of ``gm`` (nothing recomputed) fits the
         planning room (the budget less ``reserve_gb`` and ``safety_margin``), else None: a roomy
@@ -398,7 +406,7 @@ class Replanner:
         return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=peak_bytes, unoptimized_peak_bytes=peak_bytes,
                     segments=(), forward_ms=0.0, step_ms=0.0, forward_flops=0,
                     solver="none (the measured unoptimized step fits)", solve_s=time.perf_counter() - started,
-                    measured_unoptimized_peak_bytes=peak_bytes,
+                    measured_unoptimized_peak_bytes=peak_bytes, measured_peak_bytes=peak_bytes,
                     computation_changes=tuple(gm.meta.get("computation_changes", ())))
 
     def _measured(self, gm: Any, plan: Plan, graph: CostGraph, example_inputs: Any) -> tuple[Any, Plan]:

@@ -206,8 +206,8 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["planned peak (predicted)", _mib(plan.predicted_peak_bytes)],
         ["kept activations", _mib(report.kept_activation_bytes)],
         ["recomputed", describe_segments(plan.segments)],
-        ["extra time", f"{format_ms(plan.recompute_ms)} per step ({plan.overhead_ratio:.1%} of "
-                       f"{format_ms(plan.step_ms)})"],
+        ["extra time (predicted)", f"{format_ms(plan.recompute_ms)} per step ({plan.overhead_ratio:.1%} of "
+                                   f"{format_ms(plan.step_ms)})"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
         ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
         ["capture", describe_capture(plan.capture)],

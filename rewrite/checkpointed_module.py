@@ -138,13 +138,40 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         object.__setattr__(self, "_unit_variants", {})
         object.__setattr__(self, "_held_output_check", HeldOutputCheck())
         self.plan = plan
-        self.cost_graph = cost_graph
+        object.__setattr__(self, "_cost_graph", cost_graph)
+        object.__setattr__(self, "_profile_later", None)
         self._planned_key: tuple[Any, ...] | None = None
         if example_inputs is not None:
             inputs = StepInputs.from_example(example_inputs)
             self._planned_key = self._key(inputs, grads_held=False)
             self._remember(self._planned_key, PlannedVariant(graph_module, plan, cost_graph), inputs)
+            if cost_graph is None and hasattr(replan, "profile_for"):
+                # planned without a profile (the measured unoptimized step fit the budget):
+                # the example inputs are profiled if ``cost_graph`` is ever read
+                object.__setattr__(self, "_profile_later", (example_inputs,))
         self.train(original.training)
+
+    @property
+    def cost_graph(self) -> CostGraph | None:
+        """The profile the plan was solved on. A plan made without one (the measured unoptimized
+        step fit the budget, so nothing was profiled) has its example inputs profiled here, on
+        first read."""
+        graph = self.__dict__.get("_cost_graph")
+        pending = self.__dict__.get("_profile_later")
+        if graph is None and pending is not None:
+            object.__setattr__(self, "_profile_later", None)
+            example_inputs = pending[0]
+            graph = self.replan.profile_for(self.original, example_inputs)  # type: ignore[union-attr]
+            object.__setattr__(self, "_cost_graph", graph)
+            key = self._planned_key
+            if key is not None and key in self._variants:
+                self._variants[key].cost_graph = graph
+                self._remember(key, self._variants[key], StepInputs.from_example(example_inputs))
+        return graph
+
+    @cost_graph.setter
+    def cost_graph(self, graph: CostGraph | None) -> None:
+        object.__setattr__(self, "_cost_graph", graph)
 
     def train(self, mode: bool = True) -> "CheckpointedModule":
         super().train(mode)
@@ -313,7 +340,11 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
         output = variant.graph_module(*args, **kwargs)
-        if variant.cost_graph is not None and not variant.cost_graph.output_held:
+        if variant.cost_graph is not None:
+            output_held = variant.cost_graph.output_held
+        else:  # planned without a profile: the step of the options it was planned with
+            output_held = getattr(getattr(self.replan, "capture", None), "output_held", True)
+        if not output_held:
             self._held_output_check.watch(output)
         return output
 
@@ -323,7 +354,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         # the rewritten graphs do not pickle (torch.export's graph modules hold local functions):
         # the model, plans and profiles do; the first training call captures the graph again
         state = dict(self.__dict__)
-        state.update(graph_module=None, _variants={}, _unit_variants={})
+        state.update(graph_module=None, _variants={}, _unit_variants={}, _profile_later=None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":

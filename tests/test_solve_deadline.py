@@ -127,3 +127,26 @@ def test_every_cli_command_takes_the_bound(command):
     args = _parser().parse_args([*command, *budget, "--max-solve-s", "5"])
     assert args.max_solve_s == 5.0
     assert _parser().parse_args([*command, *budget]).max_solve_s is None
+
+
+def test_the_default_exact_search_with_a_plan_in_hand_is_capped(monkeypatch):
+    """On a small graph the exact search runs by default; once a plan is in hand it can only
+    make it cheaper or prove it, so it gets :data:`EXACT_IMPROVE_S`, not ``exact_s``;
+    ``exact=True`` still gets ``time_limit_s``."""
+    from graphs import mlp_blocks
+
+    g = mlp_blocks(4)
+    limits: list[float] = []
+    search = solve_module.search_cheapest
+
+    def recording(*args, time_limit_s, **kwargs):
+        limits.append(time_limit_s)
+        return search(*args, time_limit_s=time_limit_s, **kwargs)
+
+    monkeypatch.setattr(solve_module, "search_cheapest", recording)
+    budget = int(simulate(g).peak_bytes * 0.7)
+    plan = solve(g, budget)
+    assert plan.segments and limits and max(limits) <= solve_module.EXACT_IMPROVE_S < solve_module.EXACT_SEARCH_S
+    limits.clear()
+    solve(g, budget, exact=True, time_limit_s=40.0)
+    assert limits and max(limits) > solve_module.EXACT_IMPROVE_S

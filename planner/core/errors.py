@@ -27,21 +27,36 @@ class InfeasibleBudgetError(PlannerError):
 
     ``min_feasible_bytes`` is the smallest budget found to work, so a user can retry with
     ``budget_gb`` at or above ``min_feasible_bytes / 2**30``; the message's GiB figure is
-    rounded up, so it works too. ``note`` (one sentence, may be empty) ends the message: another
-    way to a lower floor, e.g. ``chunk_loss=True``.
+    rounded up, so it works too. ``unoptimized_peak_bytes`` (None where unknown) is the peak of
+    the step with nothing recomputed, which the message names too. ``note`` (one sentence, may
+    be empty) ends the message: another way to a lower floor, e.g. ``chunk_loss=True``.
+
+    Example:
+        >>> print(InfeasibleBudgetError(2**29, 3 * 2**29, unoptimized_peak_bytes=2**31))  # doctest: +ELLIPSIS
+        budget 0.5000 GiB (536870912 bytes) is below the smallest peak the planner found (the unoptimized step peaks at 2.0000 GiB); the smallest feasible budget is 1.5000 GiB (1610612736 bytes): ...
     """
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, note: str = "") -> None:
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, note: str = "",
+                 unoptimized_peak_bytes: int | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         self.note = note
+        self.unoptimized_peak_bytes = None if unoptimized_peak_bytes is None else int(unoptimized_peak_bytes)
         min_feasible_gb = math.ceil(self.min_feasible_bytes / 2**30 * 1e4) / 1e4
+        unoptimized = ("" if self.unoptimized_peak_bytes is None else
+                       f" (the unoptimized step peaks at {self.unoptimized_peak_bytes / 2**30:.4f} GiB)")
         super().__init__(
             f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below the smallest peak "
-            f"the planner found; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
+            f"the planner found{unoptimized}; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
             f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size "
             f"(a larger max_stages searches finer, slower, and may find a smaller one)" + (f"; {note}" if note else "")
         )
+
+    def with_unoptimized_peak(self, unoptimized_peak_bytes: int | None) -> "InfeasibleBudgetError":
+        """This error naming ``unoptimized_peak_bytes`` too, where it names none yet (else itself)."""
+        if self.unoptimized_peak_bytes is not None or unoptimized_peak_bytes is None:
+            return self
+        return InfeasibleBudgetError(self.budget_bytes, self.min_feasible_bytes, self.note, unoptimized_peak_bytes)
 
 
 class TraceError(PlannerError):

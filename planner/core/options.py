@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from planner.core.errors import InputError, check_max_stages, check_time_limit
 
-__all__ = ["PlanOptions", "check_budget_gb", "MAX_PLAUSIBLE_BUDGET_GB"]
+__all__ = ["PlanOptions", "check_budget_gb", "check_budget_choice", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 #: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
 #: single accelerator holds a terabyte.
@@ -55,6 +55,29 @@ def check_budget_gb(budget_gb: float, name: str = "budget_gb") -> int:
             f"{name}={budget_gb / 1024:.4g}"
         )
     return int(budget_gb * GIB)
+
+
+def check_budget_choice(budget_gb: float | None, budget_fraction: float | None) -> None:
+    """Raise :class:`InputError` unless exactly one of ``budget_gb`` (GiB) and
+    ``budget_fraction`` (a share in (0, 1] of the measured unoptimized peak) is given, and valid.
+
+    Example:
+        >>> check_budget_choice(None, 0.6)
+        >>> check_budget_choice(1.0, 0.6)
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: pass budget_gb or budget_fraction, not both
+    """
+    if budget_gb is not None and budget_fraction is not None:
+        raise InputError("pass budget_gb or budget_fraction, not both")
+    if budget_gb is None and budget_fraction is None:
+        raise InputError("pass budget_gb (GiB) or budget_fraction (a share of the measured unoptimized peak)")
+    if budget_gb is not None:
+        check_budget_gb(budget_gb)
+    if budget_fraction is not None:
+        if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
+                or not math.isfinite(budget_fraction) or not 0 < budget_fraction <= 1:
+            raise InputError(f"budget_fraction must be a number in (0, 1], got {budget_fraction!r}")
 
 
 @dataclass(frozen=True)

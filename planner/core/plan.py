@@ -160,17 +160,22 @@ class Plan:
 
     def summary(self) -> str:
         """A few lines a person can read: budget, peaks, what is recomputed, the cost."""
+        # a plan made without a profile (the measured unoptimized step fit the budget) has no
+        # step time and peaks that were measured, not predicted
+        profiled = self.step_ms > 0 or self.measured_unoptimized_peak_bytes != self.unoptimized_peak_bytes
+        how = "predicted" if profiled else "measured"
+        extra_time = f"{format_ms(self.recompute_ms)} per step, predicted" + (
+            f" (~{self.overhead_ratio:.1%} of a {format_ms(self.step_ms)} step, measured)" if self.step_ms > 0 else "")
         rows = [
             ("budget", f"{self.budget_bytes / GIB:.4f} GiB"),
-            ("unoptimized peak", f"{self.unoptimized_peak_bytes / GIB:.4f} GiB (predicted)"),
-            ("planned peak", f"{self.predicted_peak_bytes / GIB:.4f} GiB (predicted, "
+            ("unoptimized peak", f"{self.unoptimized_peak_bytes / GIB:.4f} GiB ({how})"),
+            ("planned peak", f"{self.predicted_peak_bytes / GIB:.4f} GiB ({how}, "
                              f"{self.predicted_peak_bytes / max(self.unoptimized_peak_bytes, 1):.0%} of unoptimized)"),
-            *([("measured peak", f"{self.measured_peak_bytes / GIB:.4f} GiB (measured at the allocator: the "
-                                 f"prediction is above the budget's room, the measurement within it)")]
+            *([("measured peak", f"{self.measured_peak_bytes / GIB:.4f} GiB (the planned step, measured at the "
+                                 f"allocator)")]
               if self.measured_peak_bytes is not None else []),
             ("recomputed", describe_segments(self.segments)),
-            ("extra time", f"{format_ms(self.recompute_ms)} per step (~{self.overhead_ratio:.1%} of a "
-                           f"{format_ms(self.step_ms)} step)"),
+            ("extra time", extra_time),
             ("extra FLOPs", f"{self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
                             f"of the forward)" if self.capture == "graph" else "not counted (module path: time only)"),
             ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),

@@ -39,14 +39,13 @@ import copy
 import functools
 import inspect
 import logging
-import math
 import types
 from typing import Any
 
 import torch
 
 from planner.core.errors import InputError
-from planner.core.options import check_budget_gb
+from planner.core.options import check_budget_choice
 from planner.core.plan import GIB, Plan
 from planner.pipeline import optimize
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
@@ -57,9 +56,9 @@ __all__ = ["enable", "disable", "is_enabled", "plan_of", "checkpointed_module_of
 
 log = logging.getLogger(__name__)
 
-#: ``optimize``'s keyword options, which ``enable`` passes on.
+#: ``optimize``'s keyword options, which ``enable`` passes on (the budget is ``enable``'s own).
 _OPTIONS = frozenset(name for name, p in inspect.signature(optimize).parameters.items()
-                     if p.kind is inspect.Parameter.KEYWORD_ONLY)
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY) - {"budget_fraction"}
 
 
 def check_enable_options(budget_gb: float | None, budget_fraction: float | None, options: dict[str, Any]) -> None:
@@ -73,16 +72,7 @@ def check_enable_options(budget_gb: float | None, budget_fraction: float | None,
         ...
         planner.core.errors.InputError: pass budget_gb or budget_fraction, not both
     """
-    if budget_gb is not None and budget_fraction is not None:
-        raise InputError("pass budget_gb or budget_fraction, not both")
-    if budget_gb is None and budget_fraction is None:
-        raise InputError("pass budget_gb (GiB) or budget_fraction (a share of the measured unoptimized peak)")
-    if budget_gb is not None:
-        check_budget_gb(budget_gb)
-    if budget_fraction is not None:
-        if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
-                or not math.isfinite(budget_fraction) or not 0 < budget_fraction <= 1:
-            raise InputError(f"budget_fraction must be a number in (0, 1], got {budget_fraction!r}")
+    check_budget_choice(budget_gb, budget_fraction)
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise InputError(f"unknown option {unknown[0]!r}; enable takes optimize's options: {', '.join(sorted(_OPTIONS))}")

@@ -73,6 +73,9 @@ EXACT_BY_DEFAULT_BELOW = 512
 EXACT_WHEN_UNUSED = 0.01
 #: Seconds the exact search may take when it runs by default (docs/tuning.md#exact_search_s).
 EXACT_SEARCH_S = 30.0
+#: Seconds the default search may take when a plan is already in hand, so that it can only
+#: make that plan cheaper or prove it the cheapest (docs/tuning.md#exact_improve_s).
+EXACT_IMPROVE_S = 5.0
 
 
 def solve(
@@ -139,7 +142,8 @@ def solve(
     (default) runs it on graphs of fewer than 64 compute nodes, where it is quick (seconds at most),
     and on graphs under :data:`EXACT_BY_DEFAULT_BELOW` compute nodes where the ILP's plan
     leaves more than :data:`EXACT_WHEN_UNUSED` of the budget unused (or the ILP found none),
-    for at most ``exact_s`` seconds: there it saved 14 to 22 % of the recompute on the quality
+    for at most ``exact_s`` seconds, and at most :data:`EXACT_IMPROVE_S` where a plan is in
+    hand: there it saved 14 to 22 % of the recompute on the quality
     models in 0.1 to 2.2 s more, while on plans that filled the budget ``exact=True`` found
     nothing cheaper in 4 to 26 s more (docs/benchmarks/exact_search.md). ``True`` runs it for up to ``time_limit_s``; the smallest-peak search
     that answers an infeasible budget bisects with it only with ``True`` or under 64 nodes.
@@ -260,7 +264,7 @@ def solve(
             raise InfeasibleBudgetError(budget_bytes, smallest.predicted_peak_bytes)
     in_hand = cheaper or smallest  # the cheapest plan in hand: the exact search's cut-off
     if in_hand is not None:  # with a plan in hand the search only improves it: bounded by the deadline
-        search_s = deadline.cut(search_s)
+        search_s = deadline.cut(search_s if exact else min(search_s, EXACT_IMPROVE_S))
     if (not selective and _cost_search_on(graph, exact, cheaper, budget_bytes)
             and (in_hand is None or deadline.allows("the exact search"))):
         log.info("exact search for a cheaper plan (up to %.0f s): %s", search_s,
