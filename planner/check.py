@@ -41,6 +41,9 @@ __all__ = [
     "validate_baseline",
     "write_baseline",
     "compare",
+    "baseline_key",
+    "stem_key",
+    "check_same_model",
     "parse_tolerance",
     "render_check",
     "junit_xml",
@@ -196,13 +199,59 @@ def _change(old: int | None, new: int | None) -> float | None:
     return new / old - 1
 
 
+def baseline_key(target: str, baseline_path: str | Path) -> str:
+    """The name a baseline keys its model by: ``file.py:function`` and saved-model paths
+    relative to the baseline file's folder (so two ``models.py`` in different folders are two
+    models, and the key does not depend on the working directory or the machine);
+    ``package.module:function`` as given.
+
+    Example:
+        >>> baseline_key("examples/models.py:gpt2", "memory.json")
+        'examples/models.py:gpt2'
+        >>> baseline_key("/repo/examples/models.py:gpt2", "/repo/ci/memory.json")
+        '../examples/models.py:gpt2'
+        >>> baseline_key("package.models:gpt2", "memory.json")
+        'package.models:gpt2'
+    """
+    path, sep, func = target.rpartition(":")
+    if not (sep and path.endswith(".py")):
+        if ":" in target and not Path(target).exists():
+            return target  # package.module:function
+        path, func = target, ""
+    folder = Path(baseline_path).absolute().parent
+    relative = Path(os.path.relpath(Path(path).absolute(), folder)).as_posix()
+    return f"{relative}:{func}" if func else relative
+
+
+def stem_key(target: str) -> str:
+    """The file's stem alone (``models:gpt2``, ``model.pt2``): what a baseline was keyed by
+    before :func:`baseline_key`; such a baseline is still read as the same model.
+
+    Example:
+        >>> stem_key("examples/models.py:gpt2")
+        'models:gpt2'
+    """
+    path, sep, func = target.rpartition(":")
+    if sep and path.endswith(".py"):
+        return f"{Path(path).stem}:{func}"
+    return target if ":" in target and not Path(target).exists() else Path(target).name
+
+
+def check_same_model(baseline: dict[str, Any], key: str, stem: str | None = None) -> dict[str, Any]:
+    """``baseline`` keyed by ``key``, or :class:`BaselineError` when it is another model's
+    (checked before any profiling). A baseline keyed by ``stem`` (:func:`stem_key`) is the same
+    model, returned keyed by ``key``."""
+    if baseline["model"] == key:
+        return baseline
+    if stem is not None and baseline["model"] == stem:
+        return {**baseline, "model": key}
+    raise BaselineError(f"baseline is for model {baseline['model']!r}, not {key!r}: pass the right --baseline, "
+                        f"or --update to replace it")
+
+
 def compare(baseline: dict[str, Any], current: dict[str, Any], tolerance: float) -> CheckResult:
     """Compare two baseline dicts. The models must match by name."""
-    if baseline["model"] != current["model"]:
-        raise BaselineError(
-            f"baseline is for model {baseline['model']!r}, not {current['model']!r}: pass the right --baseline, "
-            f"or --update to replace it"
-        )
+    check_same_model(baseline, current["model"])
     result = CheckResult(model=current["model"], tolerance=tolerance, capture=current.get("capture", "graph"))
     old_peak, new_peak = baseline["unoptimized_peak_bytes"], current["unoptimized_peak_bytes"]
     change = _change(old_peak, new_peak)

@@ -158,8 +158,8 @@ def _captured(module: Any, inputs: Any, args: argparse.Namespace) -> Any:
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    from planner.check import baseline_from, compare, junit_xml, parse_tolerance, read_baseline, render_check
-    from planner.check import write_baseline
+    from planner.check import baseline_from, baseline_key, check_same_model, compare, junit_xml, parse_tolerance
+    from planner.check import read_baseline, render_check, stem_key, write_baseline
     from planner.pipeline import plan_for_budget
     from profiling.profile import profile_graph
 
@@ -175,7 +175,16 @@ def _check_command(args: argparse.Namespace) -> int:
         except PlannerError:
             if not args.update:
                 raise
-    name, module, inputs = _load_target(args, allow_entry_point=True)
+    # the baseline's model is checked before the model is loaded and profiled
+    name = baseline_key(args.target, args.baseline)
+    if baseline is not None:
+        try:
+            baseline = check_same_model(baseline, name, stem_key(args.target))
+        except PlannerError:
+            if not args.update:
+                raise
+            baseline = None  # --update replaces another model's baseline
+    _, module, inputs = _load_target(args, allow_entry_point=True)
     graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, step=_step(args))
     budgets = [int(gb * 2**30) for gb in args.budget_gb or []]
     if not budgets and baseline is not None:
@@ -190,7 +199,7 @@ def _check_command(args: argparse.Namespace) -> int:
     current = baseline_from(graph, [(b, dataclasses.replace(p, budget_bytes=b) if p else None, m)
                                     for b, p, m in plans], name)
     if args.update:
-        if baseline is not None and baseline["model"] == name:
+        if baseline is not None:
             sys.stdout.write(render_check(compare(baseline, current, tolerance), args.format))
         write_baseline(args.baseline, current)
         print(f"baseline written to {args.baseline}", file=sys.stderr)

@@ -389,13 +389,23 @@ class Replanner:
         return cached_profile_graph(gm, example_inputs, self.capture.cache_dir, timing_repeats=self.capture.timing_repeats,
                                     progress=self.capture.progress, step=self.capture.step)
 
+    def fits_with_grads_held(self, plan: Plan, grad_bytes: int) -> bool:
+        """Whether a plan made without a profile (:meth:`_plan_if_the_step_fits`) still fits
+        its planning room with ``grad_bytes`` of parameter gradients held all step on top of
+        its measured peak (an upper bound: the step's own gradients are counted twice)."""
+        measured = plan.measured_peak_bytes
+        return measured is not None and measured + grad_bytes <= self._room_bytes(plan.budget_bytes)
+
+    def _room_bytes(self, budget_bytes: int) -> int:
+        return int((budget_bytes - self.planning.reserve_bytes) * (1 - self.planning.safety_margin))
+
     def _plan_if_the_step_fits(self, gm: Any, example_inputs: Any) -> Plan | None:
         """The empty plan when one measured step of ``gm`` (nothing recomputed) fits the
         planning room (the budget less ``reserve_gb`` and ``safety_margin``), else None: a roomy
         budget needs no profile and no solve."""
         started = time.perf_counter()
         budget_bytes = check_budget_gb(self.budget_gb)
-        room_bytes = int((budget_bytes - self.planning.reserve_bytes) * (1 - self.planning.safety_margin))
+        room_bytes = self._room_bytes(budget_bytes)
         peak_bytes = measure_step_peak_bytes(gm, StepInputs.from_example(example_inputs), self.capture.step)
         if peak_bytes > room_bytes:
             log.debug("the unoptimized step peaks at %.4f GiB, above the room of %.4f GiB: planning", peak_bytes / GIB,

@@ -277,6 +277,10 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         grads_held = key[3]
         profile = self._profiles.get(key[:3])
         reason = self._why(key, inputs)
+        roomy = self._roomy_with_grads_held(key) if profile is None and grads_held else None
+        if roomy is not None:
+            self._variants[key] = roomy
+            return roomy
         if self.replan is None:
             planned = self._planned_key
             if planned is not None and key[0] == planned[0] and key[2] == planned[2]:
@@ -314,6 +318,20 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         if self.graph_module is None:  # loaded from a file: this is its graph now
             object.__setattr__(self, "graph_module", gm)
         return variant
+
+    def _roomy_with_grads_held(self, key: tuple[Any, ...]) -> PlannedVariant | None:
+        """The empty plan of the same shapes, made without a profile because the measured step
+        fit the budget, where that step plus every parameter gradient held all step still fits
+        (gradient accumulation): no profile, no measurement. Otherwise None."""
+        fits = getattr(self.replan, "fits_with_grads_held", None)
+        for other, variant in self._variants.items():
+            if other[:3] == key[:3] and variant.cost_graph is None and not variant.plan.segments and fits is not None:
+                grad_bytes = sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad)
+                if fits(variant.plan, grad_bytes):
+                    log.info("gradients held (accumulation): the unoptimized step with %s of gradients held still "
+                             "fits the budget; nothing to recompute", _format_bytes(grad_bytes))
+                    return variant
+        return None
 
     def _why(self, key: tuple[Any, ...], inputs: StepInputs) -> str:
         """One phrase saying what differs from the inputs already planned."""

@@ -69,6 +69,8 @@ def test_a_budget_the_unoptimized_step_fits_returns_the_empty_plan_without_profi
     eager(*inputs).sum().backward()
     grads = dict(eager.named_parameters())
     assert all(torch.equal(p.grad, grads[name].grad) for name, p in model.named_parameters())
+    opt(*inputs).sum().backward()  # gradients held (accumulation): still fits, nothing profiled
+    assert not profiled and list(opt.plans.values())[-1] is plan
     model.zero_grad(set_to_none=True)
     assert opt(torch.randn(64, 64)).shape == (64, 64)  # another batch: planned again, as roomy
     assert not profiled

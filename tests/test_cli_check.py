@@ -53,7 +53,7 @@ def test_unchanged_passes_grown_fails_update_passes(workdir):
     assert created.returncode == 0, created.stderr
     first = baseline.read_text()
     data = json.loads(first)
-    assert data["model"] == "netdef:build" and data["plans"][0]["feasible"]
+    assert data["model"] == "netdef.py:build" and data["plans"][0]["feasible"]  # relative to the baseline
 
     same = check(target, "--baseline", str(baseline), "--format", "json")
     assert same.returncode == 0, same.stderr
@@ -131,6 +131,27 @@ def test_assert_peak_memory_helper():
         assert_peak_memory(model, (x,), max_gb=peak / 2**30 * 0.9)
 
 
+def test_assert_peak_memory_splits_the_peak_by_kind():
+    """Where parameters and their gradients make most of the peak, the message says so, largest
+    first, and the kinds add up to the peak."""
+    import re
+
+    from planner.core.simulate import PEAK_KINDS
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+    x = torch.randn(64, 1024)
+    with pytest.raises(AssertionError) as failed:
+        assert_peak_memory(model, (x,), max_gb=0.001)
+    message = str(failed.value)
+    split = message.split(": ", 1)[1].split("; largest saved activations")[0]
+    kinds = re.findall(r"([a-z ]+) ([0-9.]+) MiB \(([0-9]+)%\)", split)
+    assert [kind.strip() for kind, _, _ in kinds][:2] == ["parameters and buffers", "parameter gradients"], message
+    assert all(kind.strip() in PEAK_KINDS for kind, _, _ in kinds)
+    peak_mib = int(re.search(r"\((\d+) > ", message).group(1)) / 2**20
+    assert abs(sum(float(size) for _, size, _ in kinds) - peak_mib) < 0.1 * len(kinds), message
+    assert "at the backward of" in message and "largest saved activations: relu" in message
+
+
 def test_missing_target_with_update_writes_no_baseline_and_no_junit(workdir):
     baseline, junit = workdir / "memory.json", workdir / "result.xml"
     result = check(str(workdir / "nowhere.py") + ":build", "--baseline", str(baseline), "--update",
@@ -152,3 +173,48 @@ def test_baseline_plan_entries_of_the_wrong_type_are_named(workdir):
     result = check(target, "--baseline", str(baseline))
     assert result.returncode == 2 and "plan 0 needs an integer 'budget_bytes'" in result.stderr
     assert baseline.read_text() == content
+
+
+def run_check(folder: Path, *args: str) -> tuple[int, str]:
+    """``ckpt-planner check`` in this process, in ``folder``: exit code and stderr."""
+    import contextlib
+    import io
+
+    from planner.cli import main
+
+    err = io.StringIO()
+    saved_path = list(sys.path)  # an entry point's folder goes on sys.path: not for the tests after this one
+    try:
+        with contextlib.chdir(folder), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main(["check", *args])
+    finally:
+        sys.path[:] = saved_path
+    return code, err.getvalue()
+
+
+def test_another_models_baseline_is_refused_before_the_model_is_loaded(workdir):
+    (workdir / "slow.py").write_text("def build():\n    raise RuntimeError('loaded and profiled')\n")
+    (workdir / "b.json").write_text(json.dumps({
+        "format": "ckpt-planner-baseline", "version": 1, "model": "netdef.py:build", "unoptimized_peak_bytes": 1,
+        "activation_bytes_by_node": {}, "plans": []}))
+    code, err = run_check(workdir, "slow.py:build", "--baseline", "b.json")
+    assert code == 2 and "baseline is for model 'netdef.py:build', not 'slow.py:build'" in err, err
+    assert "loaded and profiled" not in err
+
+
+def test_two_models_py_in_two_folders_are_two_models(workdir):
+    for folder, hidden in (("a", 64), ("b", 128)):
+        (workdir / folder).mkdir()
+        (workdir / folder / "models.py").write_text(MODEL_SOURCE.format(hidden=hidden))
+    code, err = run_check(workdir, "a/models.py:build", "--baseline", "memory.json", "--update", "--budget-gb", "1")
+    assert code == 0, err
+    assert json.loads((workdir / "memory.json").read_text())["model"] == "a/models.py:build"
+    code, err = run_check(workdir, "b/models.py:build", "--baseline", "memory.json")
+    assert code == 2 and "baseline is for model 'a/models.py:build', not 'b/models.py:build'" in err, err
+    assert run_check(workdir, "a/models.py:build", "--baseline", "memory.json")[0] == 0
+    # from another working directory, the same file is the same model (paths relative to the baseline)
+    assert run_check(workdir / "b", "../a/models.py:build", "--baseline", "../memory.json")[0] == 0
+    # a baseline keyed by the file's stem alone is read as that model's
+    data = json.loads((workdir / "memory.json").read_text())
+    (workdir / "stem.json").write_text(json.dumps({**data, "model": "models:build"}))
+    assert run_check(workdir, "a/models.py:build", "--baseline", "stem.json")[0] == 0

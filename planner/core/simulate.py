@@ -42,7 +42,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Segment
 from planner.core.rerun import after_last_save_fraction
 
-__all__ = ["SimulationResult", "fits_budget", "simulate", "validate_segments"]
+__all__ = ["SimulationResult", "fits_budget", "peak_by_kind", "simulate", "validate_segments", "PEAK_KINDS"]
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,59 @@ def fits_budget(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], b
     except _AboveLimit:
         return False
     return True
+
+
+#: The kinds :func:`peak_by_kind` splits the peak into, in the order it lists them.
+PEAK_KINDS = ("parameters and buffers", "inputs", "parameter gradients", "activations", "activation gradients",
+              "temporaries")
+
+
+class _PeakSnapshot(_Memory):
+    """A :class:`_Memory` that remembers what was live at its peak (for :func:`peak_by_kind`)."""
+
+    def __init__(self, base_bytes: int) -> None:
+        super().__init__(base_bytes)
+        self.at_peak: tuple[list[tuple[object, int]], int] = ([], 0)
+
+    def observe(self, phase: str, node: str, extra_bytes: int = 0) -> None:
+        if self.live_bytes + extra_bytes > self.peak_bytes:
+            self.at_peak = (list(self.size.items()), extra_bytes)
+        super().observe(phase, node, extra_bytes)
+
+
+def peak_by_kind(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> dict[str, int]:
+    """:func:`simulate`'s peak split into :data:`PEAK_KINDS`; the values sum to the peak.
+
+    Parameters and buffers (constants too) and inputs are held all step; parameter gradients
+    are the ``.grad`` of parameters; activations are forward outputs and what autograd saved
+    (recomputed copies included); activation gradients flow back through the graph;
+    temporaries are an op's own scratch at its high point.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph(
+        ...     nodes=(CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+        ...            CostNode("a", "relu", input_names=("x",), output_storages=(2,),
+        ...                     saved_storages=(2,), output_bytes=100, requires_grad=True)),
+        ...     storages=(Storage(1, 100, True), Storage(2, 100)), output_names=("a",))
+        >>> {kind: size for kind, size in peak_by_kind(g).items() if size}
+        {'inputs': 100, 'activations': 100, 'activation gradients': 100}
+    """
+    mem = _PeakSnapshot(_persistent_bytes(graph))
+    _replay(graph, segments, mem)
+    out = dict.fromkeys(PEAK_KINDS, 0)
+    sizes = graph.storage_by_key
+    inputs = {k for n in graph.nodes if n.kind == "input" for k in n.output_storages}
+    for k in graph.replay_facts.persistent:
+        out["inputs" if k in inputs else "parameters and buffers"] += sizes[k].size_bytes
+    live, extra_bytes = mem.at_peak
+    for key, size in live:
+        if isinstance(key, tuple) and key[0] == "grad":
+            out["parameter gradients" if isinstance(key[1], int) else "activation gradients"] += size
+        else:
+            out["activations"] += size
+    out["temporaries"] += extra_bytes
+    return out
 
 
 def _persistent_bytes(graph: CostGraph) -> int:
