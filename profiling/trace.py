@@ -14,7 +14,7 @@ conv-BatchNorm-ReLU block can be recomputed while its buffers change exactly onc
 In-place ops on activations that nothing else observes (``x += residual``) become out-of-place,
 so the ops before them can be recomputed too.
 
-A HuggingFace model is captured with ``use_cache=False`` (:func:`training_step_without_kv_cache`):
+A HuggingFace model is captured with ``use_cache=False`` (:func:`profiling.capture_guards.training_step_without_kv_cache`):
 every HF config defaults to ``use_cache=True``, a training step needs no key/value cache, and a
 cache in the output is a type ``torch.export`` cannot flatten. The model's config is unchanged
 after capture, and in eval mode the model returns its cache as before.
@@ -32,10 +32,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import linecache
 import logging
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -44,10 +42,11 @@ import torch.fx
 
 from planner.core.errors import InputError, TraceError
 from profiling.attention_masks import simplify_constant_attention_masks
+from profiling.capture_guards import custom_functions_recorded, training_step_without_kv_cache
 from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
 
-__all__ = ["trace_module", "training_step_without_kv_cache", "prepare_saved_program", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
+__all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
            "increment_buffer", "RUN_ONCE_OPS", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
@@ -300,77 +299,6 @@ def _hint(exc: BaseException, method: str, source: str = "") -> str:
         return ("try use_cache=False for HuggingFace models, static shapes, no data-dependent Python "
                 "control flow, or trace_method='symbolic_trace'")
     return "try method='export', which handles data-dependent shapes and HuggingFace models"
-
-
-@contextlib.contextmanager
-def training_step_without_kv_cache(model: torch.nn.Module) -> Iterator[int]:
-    """Within the context, every HuggingFace-style ``config`` of ``model`` and its submodules
-    that has ``use_cache=True`` (the default of every HF config) says ``use_cache=False``; the
-    context yields how many it changed and restores them on exit. A training step needs no
-    key/value cache, and a ``DynamicCache`` in the output is a type ``torch.export`` cannot
-    flatten. Inputs that pass ``use_cache=True`` themselves still ask for the cache.
-
-    Example:
-        >>> import types
-        >>> model = torch.nn.Linear(2, 2)
-        >>> model.config = types.SimpleNamespace(use_cache=True)
-        >>> with training_step_without_kv_cache(model) as changed:
-        ...     changed, model.config.use_cache
-        (1, False)
-        >>> model.config.use_cache
-        True
-    """
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            configs[id(config)] = config
-    try:
-        for config in configs.values():
-            config.use_cache = False
-        yield len(configs)
-    finally:
-        for config in configs.values():
-            config.use_cache = True
-
-
-@contextlib.contextmanager
-def custom_functions_recorded() -> Iterator[list[type]]:
-    """Within the context, every ``torch.autograd.Function`` subclass outside torch whose
-    ``apply`` runs is recorded, in call order.
-
-    A capture runs the forward and records the ops inside such a Function, not the Function:
-    the captured graph's backward is autograd's derivative of those ops, not the Function's own
-    ``backward`` (another formula, other rounding; a different gradient where the backward is
-    not the forward's exact derivative: a straight-through estimator, a clipped or scaled
-    gradient).
-
-    Example:
-        >>> class Twice(torch.autograd.Function):
-        ...     @staticmethod
-        ...     def forward(ctx, x):
-        ...         return x.clone()
-        ...     @staticmethod
-        ...     def backward(ctx, grad):
-        ...         return 2 * grad
-        >>> with custom_functions_recorded() as applied:
-        ...     _ = Twice.apply(torch.ones(2, requires_grad=True))
-        >>> [f.__name__ for f in applied]
-        ['Twice']
-    """
-    original = torch.autograd.Function.__dict__["apply"]
-    applied: list[type] = []
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch."):
-            applied.append(cls)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
-        yield applied
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "export", *,

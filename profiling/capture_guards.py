@@ -1,0 +1,85 @@
+"""What a capture must hold steady around ``torch.export``: the key/value cache off for the
+training step, and a record of the custom ``torch.autograd.Function`` classes the forward
+applies (a capture cannot keep their own backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["training_step_without_kv_cache", "custom_functions_recorded"]
+
+
+@contextlib.contextmanager
+def training_step_without_kv_cache(model: torch.nn.Module) -> Iterator[int]:
+    """Within the context, every HuggingFace-style ``config`` of ``model`` and its submodules
+    that has ``use_cache=True`` (the default of every HF config) says ``use_cache=False``; the
+    context yields how many it changed and restores them on exit. A training step needs no
+    key/value cache, and a ``DynamicCache`` in the output is a type ``torch.export`` cannot
+    flatten. Inputs that pass ``use_cache=True`` themselves still ask for the cache.
+
+    Example:
+        >>> import types
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.config = types.SimpleNamespace(use_cache=True)
+        >>> with training_step_without_kv_cache(model) as changed:
+        ...     changed, model.config.use_cache
+        (1, False)
+        >>> model.config.use_cache
+        True
+    """
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    try:
+        for config in configs.values():
+            config.use_cache = False
+        yield len(configs)
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+@contextlib.contextmanager
+def custom_functions_recorded() -> Iterator[list[type]]:
+    """Within the context, every ``torch.autograd.Function`` subclass outside torch whose
+    ``apply`` runs is recorded, in call order.
+
+    A capture runs the forward and records the ops inside such a Function, not the Function:
+    the captured graph's backward is autograd's derivative of those ops, not the Function's own
+    ``backward`` (another formula, other rounding; a different gradient where the backward is
+    not the forward's exact derivative: a straight-through estimator, a clipped or scaled
+    gradient).
+
+    Example:
+        >>> class Twice(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return x.clone()
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         return 2 * grad
+        >>> with custom_functions_recorded() as applied:
+        ...     _ = Twice.apply(torch.ones(2, requires_grad=True))
+        >>> [f.__name__ for f in applied]
+        ['Twice']
+    """
+    original = torch.autograd.Function.__dict__["apply"]
+    applied: list[type] = []
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):
+            applied.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield applied
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
