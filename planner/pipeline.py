@@ -36,6 +36,7 @@ from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
 from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
+from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.solvers.hand_policies import hand_placed_within_noise
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
@@ -169,6 +170,7 @@ def optimize(
     chunk_loss: bool = False,
     loss_fn: Callable[[Any], Any] | None = None,
     output_held: bool = False,
+    share_plan: bool = True,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -249,6 +251,10 @@ def optimize(
             as in ``criterion(opt(x), y).backward()``, ``model(**batch).loss.backward()`` and
             the HF Trainer; a module planned so warns once if a loop holds the output anyway
             (docs/memory.md).
+        share_plan: under ``torch.distributed``, rank 0 profiles and plans and every rank runs
+            its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
+            ``optimize`` on every rank. False: each rank plans on its own profile (node times
+            differ between ranks, and so can their plans).
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -283,7 +289,9 @@ def optimize(
     if capture.trace_method == "modules":
         return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                             step=capture.step)
-    replan = Replanner(budget_gb, planning, capture)
+    if not isinstance(share_plan, bool):
+        raise InputError(f"share_plan must be True or False, got {share_plan!r}")
+    replan = Replanner(budget_gb, planning, capture, share_plan=share_plan)
     try:
         gm, plan, graph = replan(model, example_inputs)
     except TraceError as exc:
@@ -323,6 +331,9 @@ class Replanner:
     budget_gb: float
     planning: PlanOptions = PlanOptions()
     capture: CaptureOptions = CaptureOptions()
+    #: under ``torch.distributed``, rank 0 plans and every rank runs its plan
+    #: (:mod:`planner.rank_zero`); False: each rank plans on its own profile
+    share_plan: bool = True
 
     @property
     def world_size(self) -> int:
@@ -332,7 +343,27 @@ class Replanner:
     def __call__(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
                  grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
         """The rewritten graph, its plan and the profile it was solved on (None where the
-        measured unoptimized step fits the budget: the empty plan, nothing profiled)."""
+        measured unoptimized step fits the budget: the empty plan, nothing profiled). Under
+        ``torch.distributed`` (with ``share_plan``) the plan and profile are rank 0's."""
+        if not self.share_plan:
+            return self._plan(model, example_inputs, graph, grads_held)
+        return planned_on_rank_zero(lambda: self._plan(model, example_inputs, graph, grads_held),
+                                    lambda plan, profiled: self._rewrite_with(model, example_inputs, plan, profiled))
+
+    def _rewrite_with(self, model: Any, example_inputs: Any, plan: Plan, graph: CostGraph | None) -> Any:
+        """This rank's capture of ``model`` rewritten with ``plan``, made on rank 0 from ``graph``."""
+        from planner.loss_chunking import is_chunked
+        from rewrite.chunked_loss import chunk_loss
+
+        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
+                          simplify_attention_masks=self.capture.simplify_attention_masks)
+        if graph is not None and is_chunked(graph):
+            chunk_loss(gm)
+        return apply_plan(gm, plan)
+
+    def _plan(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
+              grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
+        """:meth:`__call__` on this process alone."""
         from planner.loss_chunking import plan_choosing_loss_chunks
 
         def trace() -> Any:
@@ -443,12 +474,16 @@ class Replanner:
               extra_bytes: int = 0) -> Plan:
         """Plan ``graph`` again with these options, recomputing none of the nodes in ``keep`` and
         holding ``extra_bytes`` more all step (no tracing or profiling: safe under
-        ``torch.distributed``)."""
+        ``torch.distributed``; there, with ``share_plan``, rank 0's plan on every rank)."""
         if keep:
             graph = dataclasses.replace(graph, nodes=tuple(
                 dataclasses.replace(n, recomputable=False) if n.name in keep else n for n in graph.nodes))
-        return plan_for_budget(with_held_bytes(graph, extra_bytes), self.budget_gb, self.planning,
-                               grads_held=grads_held)
+        held = with_held_bytes(graph, extra_bytes)
+
+        def solved() -> Plan:
+            return plan_for_budget(held, self.budget_gb, self.planning, grads_held=grads_held)
+
+        return shared_from_rank_zero(solved) if self.share_plan else solved()
 
 
 def with_held_bytes(graph: CostGraph, extra_bytes: int) -> CostGraph:

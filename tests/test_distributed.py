@@ -157,6 +157,64 @@ def test_unplanned_shape_under_ddp_is_a_clear_error_on_every_rank():
     mp.spawn(_errors_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
+def _same_plan_worker(rank: int, world_size: int, port: int, out: str, share_plan: bool) -> None:
+    """Each rank plans the same model with node times skewed on rank 1 (its linears 30 times
+    slower: a busy machine's noise, exaggerated), writes its plan's segments, and runs one DDP
+    step with it."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import planner.pipeline
+    from distributed_train import build
+    from planner import optimize
+    from profiling.measure import StepInputs, measure_step_peak_bytes
+
+    profile = planner.pipeline.cached_profile_graph
+
+    def skewed(*args, **kwargs):
+        graph = profile(*args, **kwargs)
+        if rank != 1:
+            return graph
+        return dataclasses.replace(graph, nodes=tuple(
+            dataclasses.replace(n, time_ms=n.time_ms * 30) if "linear" in n.op or "addmm" in n.op else n
+            for n in graph.nodes))
+
+    planner.pipeline.cached_profile_graph = skewed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model, x = build(64, 256, 4, 0.0), torch.randn(256, 64, generator=torch.Generator().manual_seed(3))
+        peak = measure_step_peak_bytes(model, StepInputs.from_example((x,)))
+        opt = optimize(model, (x,), budget_gb=0.7 * peak / 2**30, timing_repeats=1, exact=False,
+                       share_plan=share_plan)
+        ddp = torch.nn.parallel.DistributedDataParallel(opt)
+        ddp(x).sum().backward()
+        grads = [float(p.grad.abs().sum()) for p in model.parameters()]
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"segments": [list(seg.node_names) for seg in opt.plan.segments], "grads": grads}, f)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as _errors_worker: no C++ static destructors at exit
+
+
+@pytest.mark.parametrize("share_plan", [True, False])
+def test_ranks_with_different_timings_run_rank_zeros_plan(share_plan, tmp_path):
+    """Under torch.distributed rank 0 plans and every rank runs its plan; with ``share_plan``
+    off, the skewed timings give rank 1 another plan (so the injection is what the shared
+    plan overrides). DDP's gradients are the same on both ranks either way."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))
+    mp.spawn(_same_plan_worker, args=(2, free_port(), str(tmp_path), share_plan), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["segments"], "the budget needs recompute"
+    assert (ranks[0]["segments"] == ranks[1]["segments"]) is share_plan, ranks
+    assert ranks[0]["grads"] == pytest.approx(ranks[1]["grads"], rel=1e-6)
+
+
 class _Twice(torch.nn.Module):
     """``shared`` runs twice with another op between: its ops are not one contiguous piece."""
 

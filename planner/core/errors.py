@@ -7,6 +7,7 @@ failure this package raises on purpose.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError",
            "check_max_stages", "check_time_limit"]
@@ -51,6 +52,10 @@ class InfeasibleBudgetError(PlannerError):
             f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size "
             f"(a larger max_stages searches finer, slower, and may find a smaller one)" + (f"; {note}" if note else "")
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled with its fields (the message is made from them): rank 0's error sent to every rank
+        return (type(self), (self.budget_bytes, self.min_feasible_bytes, self.note, self.unoptimized_peak_bytes))
 
     def with_unoptimized_peak(self, unoptimized_peak_bytes: int | None) -> "InfeasibleBudgetError":
         """This error naming ``unoptimized_peak_bytes`` too, where it names none yet (else itself)."""
