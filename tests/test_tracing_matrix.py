@@ -103,7 +103,8 @@ def check_model(build, tmp_path, profile_calls: list[int]) -> dict[str, float]:
     reference = copy.deepcopy(model)
 
     roomy = optimize(model, example, budget_gb=64.0, cache_dir=str(tmp_path), **SOLVE)
-    assert len(profile_calls) == 1 and roomy.cost_graph.metadata["cache"] == "miss"
+    # a budget the measured step fits plans nothing at once; the profile is made when first read
+    assert roomy.cost_graph.metadata["cache"] == "miss" and len(profile_calls) == 1
     assert roomy.plan.segments == ()
     unopt_predicted = simulate(roomy.cost_graph).peak_bytes
     unopt_measured = measure_step_peak_bytes(model, inputs)
