@@ -362,8 +362,8 @@ def test_profiling_and_solving_report_progress(tmp_path, caplog):
     import logging
 
     model, example = FAST["kwargs_dict"]()
-    with caplog.at_level(logging.INFO, logger="profiling.progress"):
-        optimize(model, example, budget_gb=64.0, cache_dir=str(tmp_path), **SOLVE)
+    with caplog.at_level(logging.INFO, logger="profiling.progress"):  # a budget the step does not fit
+        optimize(model, example, budget_fraction=0.8, cache_dir=str(tmp_path), **SOLVE)
     messages = [r.getMessage() for r in caplog.records if r.name == "profiling.progress"]
     assert any(m.startswith("profiling: timing") for m in messages)
     assert any(m.startswith("solving for") and "done in" in m for m in messages)
