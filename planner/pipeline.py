@@ -24,10 +24,10 @@ from typing import Any
 
 from planner.core.costgraph import (
     CostGraph,
-    Storage,
     hold_parameter_grads,
     protect_reads_before_writes,
     shard_parameters,
+    with_held_bytes,
 )
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
 from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb
@@ -485,18 +485,3 @@ class Replanner:
 
         return shared_from_rank_zero(solved) if self.share_plan else solved()
 
-
-def with_held_bytes(graph: CostGraph, extra_bytes: int) -> CostGraph:
-    """``graph`` with ``extra_bytes`` more held all step (one persistent storage), or ``graph``
-    itself for none.
-
-    Example:
-        >>> g = CostGraph((), (Storage(0, 8, True),))
-        >>> with_held_bytes(g, 100).persistent_bytes
-        108
-    """
-    if extra_bytes <= 0:
-        return graph
-    key = max((st.key for st in graph.storages), default=-1) + 1
-    return dataclasses.replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
-                               measured_peak_bytes=None)

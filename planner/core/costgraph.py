@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
 __all__ = ["MIB", "Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_parameters", "hold_parameter_grads",
-           "protect_reads_before_writes"]
+           "protect_reads_before_writes", "with_held_bytes"]
 
 #: Bytes in a mebibyte: the unit of the stage models' memory account and of log lines.
 MIB = float(2**20)
@@ -315,6 +315,22 @@ def hold_parameter_grads(graph: CostGraph) -> CostGraph:
     nodes = tuple(replace(n, output_bytes=0) if n.kind == "param" and n.requires_grad else n for n in graph.nodes)
     return replace(graph, nodes=nodes, storages=storages, measured_peak_bytes=None,
                    metadata={**graph.metadata, "grads_held": True})
+
+
+def with_held_bytes(graph: CostGraph, extra_bytes: int) -> CostGraph:
+    """``graph`` with ``extra_bytes`` more held all step (one persistent storage), or ``graph``
+    itself for none.
+
+    Example:
+        >>> g = CostGraph((), (Storage(0, 8, True),))
+        >>> with_held_bytes(g, 100).persistent_bytes
+        108
+    """
+    if extra_bytes <= 0:
+        return graph
+    key = max((st.key for st in graph.storages), default=-1) + 1
+    return replace(graph, storages=(*graph.storages, Storage(key, int(extra_bytes), True)),
+                               measured_peak_bytes=None)
 
 
 def protect_reads_before_writes(graph: CostGraph) -> CostGraph:
