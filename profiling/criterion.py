@@ -34,7 +34,7 @@ from profiling.cost_nodes import StorageTable
 from profiling.interpreter import tensors_of
 from profiling.measure import TrainingStep
 
-__all__ = ["CRITERION_NODE", "CriterionRecord", "run_criterion", "criterion_inputs", "criterion_node"]
+__all__ = ["CRITERION_NODE", "CriterionRecord", "run_criterion", "criterion_inputs", "criterion_node", "criterion_name"]
 
 #: Name of the criterion's node in the profile (suffixed where the graph already has the name).
 CRITERION_NODE = "loss_fn"

@@ -216,15 +216,15 @@ def test_ranks_with_different_timings_run_rank_zeros_plan(share_plan, tmp_path):
 
 
 class _Twice(torch.nn.Module):
-    """``shared`` runs twice with another op between: its ops are not one contiguous piece."""
+    """``reused`` runs twice with another op between: its ops are not one contiguous piece."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.shared = torch.nn.Linear(8, 8)
+        self.reused = torch.nn.Linear(8, 8)
         self.other = torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.shared(self.other(self.shared(x)))
+        return self.reused(self.other(self.reused(x)))
 
 
 def test_fsdp_unit_hooks_run_around_a_block_and_refuse_split_modules():
@@ -249,7 +249,7 @@ def test_fsdp_unit_hooks_run_around_a_block_and_refuse_split_modules():
     twice = _Twice()
     gm = trace_module(twice, (torch.randn(2, 8),))
     with pytest.raises(PlannerError, match="interleaved"):
-        insert_unit_hooks(gm, twice, ("shared",))
+        insert_unit_hooks(gm, twice, ("reused",))
 
 
 def test_segments_never_span_two_fsdp_units_and_hooks_run_once(monkeypatch):
