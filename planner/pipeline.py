@@ -103,9 +103,7 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         graph = hold_parameter_grads(graph)
     graph = protect_reads_before_writes(graph)
     try:
-        plan = solve(graph, planning_bytes, max_stages=options.max_stages, solver=options.solver,
-                     time_limit_s=options.time_limit_s, selective=options.selective, exact=options.exact,
-                     max_solve_s=options.max_solve_s)
+        plan = solve(graph, planning_bytes, options.solve_options())
     except InfeasibleBudgetError as exc:
         unoptimized = exc.unoptimized_peak_bytes
         if unoptimized is None:
