@@ -139,6 +139,8 @@ class Plan:
     #: nodes whose held outputs go to pinned host memory in the forward and come back for the
     #: backward (:mod:`planner.core.offload`); empty: nothing is offloaded
     offloaded: tuple[str, ...] = ()
+    #: for each node of ``offloaded``, the node whose backward issues its fetch back to the device
+    offload_triggers: tuple[str, ...] = ()
     #: bytes those outputs take in host memory
     offloaded_bytes: int = 0
     #: predicted time the compute waits for copies to or from host memory, per step

@@ -172,6 +172,7 @@ def offload_plan(graph: CostGraph, budget_bytes: int, base: Plan, spec: OffloadS
     logger.info("offload: %d outputs (%.1f MiB) to host memory, %.3f ms extra where the plan had %.3f ms",
                 len(current.offloaded), result.offloaded_bytes / 2**20, current.extra_ms, base_extra_ms)
     return replace(base, segments=current.segments, predicted_peak_bytes=result.peak_bytes,
-                   budget_bytes=budget_bytes, offloaded=current.offloaded, offloaded_bytes=result.offloaded_bytes,
+                   budget_bytes=budget_bytes, offloaded=result.offloaded, offload_triggers=result.triggers,
+                   offloaded_bytes=result.offloaded_bytes,
                    exposed_transfer_ms=result.exposed_ms, solver=f"{base.solver} + offload",
                    solve_s=base.solve_s + time.perf_counter() - started, optimality_gap=None, by_chain_dp=False)
