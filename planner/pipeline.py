@@ -30,7 +30,8 @@ from planner.core.costgraph import (
     with_held_bytes,
 )
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
-from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb
+from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb,
+                                  check_offload_device)
 from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
@@ -171,6 +172,9 @@ def optimize(
     loss_fn: Callable[[Any], Any] | None = None,
     output_held: bool = False,
     share_plan: bool = True,
+    offload: bool = False,
+    host_bandwidth_gbps: float | None = None,
+    pinned_host_gb: float | None = None,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -251,6 +255,12 @@ def optimize(
             as in ``criterion(opt(x), y).backward()``, ``model(**batch).loss.backward()`` and
             the HF Trainer; a module planned so warns once if a loop holds the output anyway
             (docs/memory.md).
+        offload, host_bandwidth_gbps, pinned_host_gb: move held outputs to pinned host memory as
+            a third choice beside keeping and recomputing (:mod:`planner.solvers.offload`), with
+            copies priced at ``host_bandwidth_gbps`` GB/s each way (default: an H100 over PCIe,
+            docs/tuning.md#host_links) and at most ``pinned_host_gb`` GiB pinned. Offload plans
+            are simulated only: ``offload=True`` is refused with a one-line error, on CPU
+            because copies pay off only behind GPU compute (docs/benchmarks/offload.md).
         share_plan: under ``torch.distributed``, rank 0 profiles and plans and every rank runs
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times
@@ -278,11 +288,13 @@ def optimize(
     check_budget_choice(budget_gb, budget_fraction)
     planning = PlanOptions(reserve_gb=reserve_gb, safety_margin=safety_margin, max_stages=max_stages, solver=solver,
                            time_limit_s=time_limit_s, selective=selective, world_size=world_size, exact=exact,
-                           max_solve_s=max_solve_s)
+                           max_solve_s=max_solve_s, offload=offload, host_bandwidth_gbps=host_bandwidth_gbps,
+                           pinned_host_gb=pinned_host_gb)
     capture = CaptureOptions(trace_method=trace_method, timing_repeats=timing_repeats, cache_dir=cache_dir,
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
+    check_offload_device(offload, _device_type(model))
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two
@@ -304,6 +316,13 @@ def optimize(
         except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
             raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
+
+
+def _device_type(model: Any) -> str:
+    """The device type of the model's first parameter or buffer (``cpu`` where it has none)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return str(tensor.device.type)
+    return "cpu"
 
 
 def _budget_from_fraction(model: Any, example_inputs: Any, fraction: float, step: TrainingStep) -> float:

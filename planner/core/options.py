@@ -12,11 +12,12 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.core.errors import InputError, check_max_stages, check_time_limit
+from planner.core.offload import HOST_LINKS, OffloadSpec
 
-__all__ = ["PlanOptions", "check_budget_gb", "check_budget_choice", "MAX_PLAUSIBLE_BUDGET_GB"]
+__all__ = ["PlanOptions", "check_budget_gb", "check_budget_choice", "check_offload_device", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 #: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
 #: single accelerator holds a terabyte.
@@ -88,6 +89,15 @@ class PlanOptions:
     ``reserve_gb``: room kept outside the plan; ``safety_margin``: share of the rest kept free;
     ``max_stages``, ``solver``, ``time_limit_s``, ``selective``, ``exact``, ``max_solve_s``: see
     :func:`planner.solvers.solve.solve`; ``world_size``: ranks the parameters are sharded over.
+    ``offload``: held outputs may also go to pinned host memory (:mod:`planner.solvers.offload`),
+    over ``host_link``'s bandwidths (:data:`planner.core.offload.HOST_LINKS`) or
+    ``host_bandwidth_gbps`` both ways, with at most ``pinned_host_gb`` GiB pinned.
+
+    Example:
+        >>> PlanOptions(offload=True, host_bandwidth_gbps=25).offload_spec().d2h_gbps
+        25.0
+        >>> PlanOptions(offload=True, pinned_host_gb=8).offload_spec().pinned_host_bytes == 8 * 2**30
+        True
     """
 
     reserve_gb: float = 0.0
@@ -99,6 +109,10 @@ class PlanOptions:
     world_size: int = 1
     exact: bool | None = None
     max_solve_s: float | None = None
+    offload: bool = False
+    host_link: str = "h100"
+    host_bandwidth_gbps: float | None = None
+    pinned_host_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.reserve_gb:
@@ -112,7 +126,48 @@ class PlanOptions:
             check_time_limit(self.max_solve_s, "max_solve_s")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise InputError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if not isinstance(self.offload, bool):
+            raise InputError(f"offload must be True or False, got {self.offload!r}")
+        if self.host_link not in HOST_LINKS:
+            raise InputError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
+        for name in ("host_bandwidth_gbps", "pinned_host_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise InputError(f"{name} must be a positive number, got {value!r}")
+
+    def offload_spec(self) -> OffloadSpec:
+        """The host link the offload start prices copies with."""
+        spec = HOST_LINKS[self.host_link]
+        if self.host_bandwidth_gbps is not None:
+            spec = replace(spec, h2d_gbps=float(self.host_bandwidth_gbps), d2h_gbps=float(self.host_bandwidth_gbps))
+        if self.pinned_host_gb is not None:
+            spec = replace(spec, pinned_host_bytes=int(self.pinned_host_gb * GIB))
+        return spec
 
     @property
     def reserve_bytes(self) -> int:
         return check_budget_gb(self.reserve_gb, "reserve_gb") if self.reserve_gb else 0
+
+
+def check_offload_device(offload: bool, device_type: str) -> None:
+    """Refuse ``offload=True`` where :func:`planner.pipeline.optimize` cannot apply it: copies to
+    host memory pay off only behind GPU compute, and the rewrite applies recompute plans alone
+    (offload plans are predicted: :func:`planner.solvers.offload.offload_plan`,
+    docs/benchmarks/offload.md; :mod:`rewrite.offload` holds the hooks).
+
+    Example:
+        >>> check_offload_device(False, "cpu")
+        >>> check_offload_device(True, "cpu")
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: offload=True needs a CUDA device (copies to host memory pay off only behind GPU compute): leave offload off on cpu
+    """
+    if not offload:
+        return
+    if device_type != "cuda":
+        raise InputError(f"offload=True needs a CUDA device (copies to host memory pay off only behind GPU "
+                         f"compute): leave offload off on {device_type}")
+    raise InputError("offload=True is planned, not applied, by optimize: plan offload with "
+                     "planner.solvers.offload.offload_plan on a profile (docs/benchmarks/offload.md) and leave "
+                     "offload off here")

@@ -1,0 +1,121 @@
+"""The saved-tensor hooks that move marked storages to host memory (:mod:`rewrite.offload`): pack
+then unpack gives every saved tensor back bit for bit, on CPU here and on CUDA where one is present
+(tests marked ``cuda``, with the device peak lowered and the prefetch's event order checked);
+``optimize(offload=True)`` is refused with one line on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.core.errors import InputError
+from rewrite.offload import HostOffload
+
+
+class _Blocks(torch.nn.Module):
+    """Residual MLP blocks whose hidden activations are what a plan offloads."""
+
+    def __init__(self, width: int = 32, blocks: int = 3) -> None:
+        super().__init__()
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(blocks))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(4 * width, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, offload: HostOffload | None = None) -> torch.Tensor:
+        for k, (up, down) in enumerate(zip(self.ups, self.downs)):
+            hidden = torch.nn.functional.gelu(up(x))
+            if offload is not None:
+                hidden = offload.mark(hidden, f"hidden{k}")
+                if k > 0:
+                    x = offload.fetch_when_grad_reaches(x, (f"hidden{k - 1}",))
+            x = x + down(hidden)
+        return x
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, offload: HostOffload | None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    if offload is None:
+        loss = model(x).square().mean()
+    else:
+        with offload.hooks():
+            loss = model(x, offload).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _device_test(device: torch.device) -> HostOffload:
+    torch.manual_seed(0)
+    model = _Blocks().to(device)
+    x = torch.randn(64, 32, device=device)
+    plain = _grads(model, x, None)
+    offload = HostOffload(device)
+    for _ in range(2):  # the second step reuses the pool's buffers
+        offloaded = _grads(model, x, offload)
+        assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    return offload
+
+
+def test_pack_then_unpack_gives_the_saved_tensors_back_bit_for_bit_on_cpu():
+    offload = _device_test(torch.device("cpu"))
+    # gelu saves its input (not marked); the down projection saves the marked hidden output
+    assert offload.packed_bytes == 3 * 64 * 128 * 4
+    assert offload.pool.allocated_bytes == 3 * 64 * 128 * 4  # reused on the second step, not grown
+
+
+def test_a_full_pool_keeps_tensors_on_the_device_and_the_gradients_unchanged():
+    torch.manual_seed(0)
+    model = _Blocks()
+    x = torch.randn(64, 32)
+    plain = _grads(model, x, None)
+    offload = HostOffload(torch.device("cpu"), pinned_host_bytes=64 * 128 * 4)  # room for one
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, x, offload)))
+    assert offload.packed_bytes == 64 * 128 * 4
+
+
+def test_a_tensor_saved_before_it_is_marked_is_offloaded_and_saved_twice_copied_once():
+    offload = HostOffload(torch.device("cpu"))
+    x = torch.randn(16, requires_grad=True)
+    with offload.hooks():
+        y = offload.mark(x.exp(), "exp")  # exp saved its output before the mark
+        loss = (y * y).sum()  # both inputs of mul: the same tensor
+    assert offload.packed_bytes == 16 * 4
+    loss.backward()
+    assert torch.equal(x.grad, 2 * x.exp() ** 2)
+
+
+def test_optimize_refuses_offload_on_cpu_with_one_line_that_says_what_to_do():
+    from planner import optimize
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)).train()
+    with pytest.raises(InputError) as info:
+        optimize(model, (torch.randn(2, 4),), budget_gb=1.0, offload=True)
+    message = str(info.value)
+    assert "\n" not in message and "CUDA" in message and "leave offload off" in message
+
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_pack_then_unpack_is_bit_for_bit_with_copies_on_side_streams():
+    offload = _device_test(torch.device("cuda"))
+    assert offload.pool.pin and offload.packed_bytes == 3 * 64 * 128 * 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_offloading_the_hidden_activations_lowers_the_measured_peak():
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = _Blocks(width=1024, blocks=4).to(device)
+    x = torch.randn(4096, 1024, device=device)
+    peaks = []
+    for offload in (None, HostOffload(device)):
+        _grads(model, x, offload)  # warm the pool and the allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _grads(model, x, offload)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+    hidden_bytes = 4096 * 4096 * 4
+    assert peaks[1] <= peaks[0] - hidden_bytes, peaks
