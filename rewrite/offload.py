@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,7 @@ class PinnedPool:
         self.free.setdefault((buffer.numel(), buffer.dtype), []).append((buffer, event))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Packed:
     """One saved tensor: on the device until its storage is marked, then in ``host``."""
 
@@ -126,6 +126,9 @@ class HostOffload:
         self.step = _Step()
         self.packed_bytes = 0
         self._warned_full = False
+        self._inside: str | None = None
+        #: storages of the offloaded modules' parameters and buffers: on the device all step
+        self._resident: set[int] = set()
 
     def mark(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Offload ``tensor``'s storage, under ``name``, wherever autograd saves it (saves made
@@ -146,6 +149,43 @@ class HostOffload:
 
             tensor.register_hook(fetch)
         return tensor
+
+    def offload_modules(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[Any]:
+        """Offload everything autograd saves while each named module runs (outside the
+        checkpoints inside it: a checkpointed module's inputs), fetched when the backward reaches
+        the next module's output (one module ahead). Returns the hook handles (``.remove()``).
+
+        Example:
+            >>> import torch
+            >>> layers = [(f"l{k}", torch.nn.Linear(8, 8)) for k in range(3)]
+            >>> offload = HostOffload(torch.device("cpu"))
+            >>> handles = offload.offload_modules(layers)
+            >>> x = torch.randn(2, 8, requires_grad=True)
+            >>> with offload.hooks():
+            ...     y = x
+            ...     for _, layer in layers:
+            ...         y = torch.tanh(layer(y))
+            >>> y.sum().backward(); offload.packed_bytes   # each linear's input (2 x 8 floats)
+            192
+        """
+        handles: list[Any] = []
+        names = [name for name, _ in modules]
+        for _, module in modules:
+            self._resident.update(t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()))
+        for k, (name, module) in enumerate(modules):
+            def enter(_module: Any, _args: Any, name: str = name) -> None:
+                self._inside = name
+
+            def leave(_module: Any, _args: Any, output: Any, k: int = k) -> Any:
+                self._inside = None
+                if k > 0:
+                    tensor = output[0] if isinstance(output, tuple) else output
+                    self.fetch_when_grad_reaches(tensor, (names[k - 1],))
+                return output
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+        return handles
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -172,16 +212,23 @@ class HostOffload:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device != self.device or tensor.layout != torch.strided:
             return tensor
-        seen = self.step.by_tensor.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and (seen[1].host is not None or seen[1].on_device is not None):
-            # saved again (both inputs of ``y * y``): one copy
-            seen[1].users += 1
-            return seen[1]
-        packed = _Packed(tensor.shape, tensor.dtype, on_device=tensor, users=1)
-        self.step.by_tensor[id(tensor)] = (weakref.ref(tensor), packed)
         storage = tensor.untyped_storage().data_ptr()
         marked = self.step.by_storage.get(storage)
-        name = marked[0] if marked is not None and marked[1]() is not None else None
+        name = marked[0] if marked is not None and marked[1]() is not None else (
+            None if storage in self._resident else self._inside)
+        seen = self.step.by_tensor.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and (seen[1].host is not None or seen[1].on_device is not None):
+            # saved again (both inputs of ``y * y``): one copy, made now if only this save offloads it
+            packed = seen[1]
+            packed.users += 1
+            if name is not None and packed.host is None:
+                waiting = self.step.unmarked.get(storage, [])
+                if packed in waiting:
+                    waiting.remove(packed)
+                self._copy_out(packed, name)
+            return packed
+        packed = _Packed(tensor.shape, tensor.dtype, on_device=tensor, users=1)
+        self.step.by_tensor[id(tensor)] = (weakref.ref(tensor), packed)
         if name is None:
             self.step.unmarked.setdefault(storage, []).append(packed)
         else:

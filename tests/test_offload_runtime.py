@@ -83,6 +83,45 @@ def test_a_tensor_saved_before_it_is_marked_is_offloaded_and_saved_twice_copied_
     assert torch.equal(x.grad, 2 * x.exp() ** 2)
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self, width: int, checkpointed: bool) -> None:
+        super().__init__()
+        self.up, self.down, self.checkpointed = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width), \
+            checkpointed
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_offloading_what_modules_save_checkpointed_or_not_keeps_the_gradients_bit_for_bit(checkpointed):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(_Layer(16, checkpointed) for _ in range(3)))
+    x = torch.randn(8, 16)
+    plain = _grads(layers, x, None)
+    offload = HostOffload(torch.device("cpu"))
+    handles = offload.offload_modules([(str(k), layer) for k, layer in enumerate(layers)])
+    for _ in range(2):
+        layers.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_(True)
+        with offload.hooks():
+            loss = layers(x_in).square().mean()
+        loss.backward()
+        grads = [p.grad for p in layers.parameters()] + [x_in.grad]
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    # checkpointed: each layer's input (the checkpoint saves it outside its frame); otherwise
+    # also up's output (gelu's input) and gelu's output (down's input)
+    per_layer = 8 * 16 * 4 if checkpointed else 8 * 16 * 4 + 2 * 8 * 64 * 4
+    assert offload.packed_bytes == 3 * per_layer
+    for handle in handles:
+        handle.remove()
+
+
 def test_optimize_refuses_offload_on_cpu_with_one_line_that_says_what_to_do():
     from planner import optimize
 
