@@ -158,3 +158,20 @@ def test_on_cuda_offloading_the_hidden_activations_lowers_the_measured_peak():
         peaks.append(torch.cuda.max_memory_allocated())
     hidden_bytes = 4096 * 4096 * 4
     assert peaks[1] <= peaks[0] - hidden_bytes, peaks
+
+
+@pytest.mark.slow
+def test_the_gpu_offload_benchmark_runs_on_cpu_on_small_models_with_the_gradients_unchanged(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import offload_gpu
+
+    assert offload_gpu.main(["--device", "cpu", "--tiny", "--repeats", "1"]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| gpt2") or line.startswith("| llama")]
+    assert len(rows) == 8 and all(row.endswith("| allclose |") for row in rows)
+    offloaded = {row.split(" | ")[1]: float(row.split(" | ")[3]) for row in rows if row.startswith("| gpt2")}
+    assert offloaded["keep all"] == 0 and offloaded["every layer, inputs offloaded"] > 0
+    assert offloaded["first half offloaded, rest every layer"] > offloaded["every layer, inputs offloaded"]

@@ -8,7 +8,8 @@ predicted extra step time (recompute plus copies not hidden behind compute) fall
 to offload is a prefix of one of two orders: execution order (the earliest outputs have the
 whole forward to leave and the whole backward to come back) and largest first; the shortest
 prefix that fits is found by bisection on the replay's peak, then outputs whose copies the
-compute waits for are dropped from it where the plan still fits. Every plan it returns was
+compute waits for are dropped from it where the plan still fits. The plan with no segments at
+all is tried first (a link fast enough for every held output needs no recompute). Every plan it returns was
 replayed with its copies: its peak and its exposed transfer time are the simulator's.
 
 Example:
@@ -25,7 +26,7 @@ Example:
     ...             step_ms=12.0, forward_flops=0, solver="chain DP", solve_s=0.0)
     >>> plan = offload_plan(g, 6000, base, OffloadSpec(h2d_gbps=1e-3, d2h_gbps=1e-3))
     >>> plan.segments, plan.offloaded, plan.extra_time_ms, plan.predicted_peak_bytes <= 6000
-    ((), ('a', 'b'), 0.0, True)
+    ((), ('a',), 0.0, True)
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ def offload_plan(graph: CostGraph, budget_bytes: int, base: Plan, spec: OffloadS
     """
     started = time.perf_counter()
     current = fit_with_offload(graph, base.segments, budget_bytes, spec)
+    if base.segments:  # a link fast enough to move every held output needs no recompute at all
+        bare = fit_with_offload(graph, (), budget_bytes, spec)
+        if bare is not None and (current is None or bare.extra_ms < current.extra_ms):
+            current = bare
     base_fits = base.predicted_peak_bytes <= budget_bytes and not base.offloaded
     base_extra_ms = base.extra_time_ms if base_fits else float("inf")
     for seg in sorted(base.segments, key=lambda s: -s.recompute_ms):
