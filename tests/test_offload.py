@@ -208,3 +208,28 @@ def test_summary_shows_the_offloaded_bytes_and_the_extra_time_counts_exposed_cop
     text = plan.summary()
     assert "outputs of 2 nodes, 0.7500 GiB to pinned host memory" in text
     assert "1.50 ms per step" in text
+
+
+H100_NAMES = ["gpt2_gpu", "llama_gpu", "bert_gpu", "mlp_gpu", "t5_gpu", "gpt2_24l_gpu"]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("t5_gpu", "gpt2_24l_gpu") else n
+                                  for n in H100_NAMES])
+def test_on_the_h100_profiles_offload_predicts_less_than_recompute_and_than_offloading_every_boundary(name):
+    from h100_profiles import H100_PROFILES
+
+    from planner.core.costgraph import protect_reads_before_writes
+    from planner.solvers.hand_policies import hand_placed_plans
+    from planner.solvers.solve import solve
+    from profiling.cache import load_profile
+
+    graph = protect_reads_before_writes(load_profile(H100_PROFILES / f"{name}.json"))
+    every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
+    budget = simulate(graph, every.segments).peak_bytes
+    base = solve(graph, budget)
+    link = HOST_LINKS["h100"]
+    plan = offload_plan(graph, budget, base, link)
+    assert plan is not None and plan.predicted_peak_bytes <= budget
+    assert plan.extra_time_ms < base.extra_time_ms
+    boundaries = simulate_offload(graph, every.segments, list(offloadable_nodes(graph, every.segments)), link)
+    assert plan.extra_time_ms < every.recompute_ms + boundaries.exposed_ms

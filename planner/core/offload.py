@@ -41,10 +41,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Segment
 from planner.core.rerun import rerun_cost
+
+if TYPE_CHECKING:  # pragma: no cover
+    from planner.core.simulate import _Memory
 
 __all__ = ["OffloadSpec", "HOST_LINKS", "OffloadSimulation", "Transfers", "simulate_offload",
            "offloadable_nodes", "backward_ratio"]
@@ -204,10 +208,9 @@ class Transfers:
         self.sizes = {k: graph.storage_by_key[k].size_bytes for ks in storages_by_node.values() for k in ks}
         names = [s.node_names if isinstance(s, Segment) else s for s in segments]
         seg_idx = validate_segments(graph, names)
-        recompute_ms = [
+        self.recompute_ms = recompute_ms = [
             (s.recompute_ms if isinstance(s, Segment) else rerun_cost(graph, s)[0]) + graph.segment_overhead_ms
             for s in segments]
-        self.recompute_ms = recompute_ms
         facts = graph.replay_facts
         in_segment = {i for idx in seg_idx for i in idx}
         need: dict[int, int] = {}
@@ -236,10 +239,9 @@ class Transfers:
         self.storages_by_node = storages_by_node
         self.triggers = dict(triggers) if triggers is not None else self._just_in_time(start_ms)
         self.issue_at: dict[int, list[str]] = {}
-        for name in self.order:
-            self.issue_at.setdefault(graph.index[self.triggers[name]], []).append(name)
         self.need_at: dict[int, list[str]] = {}
         for name in self.order:
+            self.issue_at.setdefault(graph.index[self.triggers[name]], []).append(name)
             self.need_at.setdefault(self.node_need[name], []).append(name)
         self.clock_ms = 0.0
         self.exposed_ms = 0.0
@@ -272,14 +274,14 @@ class Transfers:
             out[name] = graph.nodes[chosen].name
         return out
 
-    def take_hold(self, mem: object, k: int, i: int) -> bool:
+    def take_hold(self, mem: _Memory, k: int, i: int) -> bool:
         """Count a forward-to-backward hold of ``k`` at node ``i``; False where ``k`` stays."""
         if k not in self.sizes:
             return False
         if k not in self.holds:
             self.holds[k] = 0
             self.packed_at[k] = i
-            mem.hold(k)  # type: ignore[attr-defined]  # the D2H copy reads it until done
+            mem.hold(k)  # the D2H copy reads it until done
         self.holds[k] += 1
         return True
 
@@ -292,41 +294,41 @@ class Transfers:
                 self.host_bytes += self.sizes[k]
                 self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
 
-    def _land_copies(self, mem: object) -> None:
+    def _land_copies(self, mem: _Memory) -> None:
         still = []
         for k in self.pending_d2h:
             if self.d2h_done[k] <= self.clock_ms:
-                mem.release(k)  # type: ignore[attr-defined]
+                mem.release(k)
             else:
                 still.append(k)
         self.pending_d2h = still
 
-    def forward_done(self, mem: object, i: int) -> None:
+    def forward_done(self, mem: _Memory, i: int) -> None:
         """Node ``i``'s forward has run: queue the copies it packed, land those that are done."""
         self.clock_ms += self.graph.nodes[i].time_ms
         self._queue_copies(i)
         self._land_copies(mem)
 
-    def _fetch(self, mem: object, name: str) -> None:
+    def _fetch(self, mem: _Memory, name: str) -> None:
         done = self.clock_ms
         for k in self.storages_by_node[name]:
             holds = self.holds.get(k, 0)
             if k in self.pending_d2h:  # its copy to the host has not landed: it never left
                 self.pending_d2h.remove(k)
                 for _ in range(holds):
-                    mem.hold(k)  # type: ignore[attr-defined]
-                mem.release(k)  # type: ignore[attr-defined]
+                    mem.hold(k)
+                mem.release(k)
                 continue
             if k not in self.d2h_done:  # never packed (its holder did not run)
                 continue
-            mem.alloc(k, self.sizes[k])  # type: ignore[attr-defined]
+            mem.alloc(k, self.sizes[k])
             for _ in range(holds):
-                mem.hold(k)  # type: ignore[attr-defined]
+                mem.hold(k)
             start = max(self.clock_ms, self.h2d_free_ms, self.d2h_done[k])
             self.h2d_free_ms = done = start + self.spec.h2d_ms(self.sizes[k])
         self.fetched[name] = done
 
-    def backward_needs(self, mem: object, i: int) -> None:
+    def backward_needs(self, mem: _Memory, i: int) -> None:
         """Node ``i``'s backward is next: issue the fetches it triggers; what it needs must be
         back, and the compute waits for it."""
         self._land_copies(mem)
@@ -342,7 +344,7 @@ class Transfers:
                 self.clock_ms = ready
             self.host_bytes -= sum(self.sizes[k] for k in self.storages_by_node[name] if k in self.d2h_done)
 
-    def backward_done(self, mem: object, i: int, recomputed_segment: int | None) -> None:
+    def backward_done(self, mem: _Memory, i: int, recomputed_segment: int | None) -> None:
         """Node ``i``'s backward has run (after its segment's recompute, where it ran one)."""
         self.clock_ms += self.graph.nodes[i].time_ms * self.ratio
         if recomputed_segment is not None:
