@@ -114,8 +114,7 @@ class OffloadSimulation:
     exposed_ms: float
     host_peak_bytes: int
     offloaded_bytes: int
-    #: the nodes whose outputs moved, in execution order, and for each the backward node whose
-    #: start issued its fetch
+    #: the nodes whose outputs moved, in execution order, and the backward node issuing each fetch
     offloaded: tuple[str, ...] = ()
     triggers: tuple[str, ...] = ()
 
@@ -191,12 +190,9 @@ class Transfers:
     """The copies of one replay: called by :func:`planner.core.simulate._replay` where it would
     hold a saved storage, after each forward node, and around each backward node.
 
-    ``storages_by_node`` maps each offloaded node to the storages it moves; each node's storages
-    travel together, back before the first backward node that needs one of them (its need).
-    ``triggers`` (node name to node name, computed when not given) says at which backward node
-    each offloaded node's fetch is issued: as late as lets every fetch, queued one after the
-    other on the H2D stream, land by its need on the step's compute times without waits.
-    """
+    ``storages_by_node``: what each offloaded node moves, together, back before the first
+    backward node that needs one of them (its need). ``triggers``: the backward node issuing
+    each node's fetch (computed where not given: :meth:`_just_in_time`)."""
 
     def __init__(self, graph: CostGraph, segments: Sequence[Sequence[str] | Segment],
                  storages_by_node: dict[str, tuple[int, ...]], spec: OffloadSpec,
@@ -212,7 +208,7 @@ class Transfers:
             (s.recompute_ms if isinstance(s, Segment) else rerun_cost(graph, s)[0]) + graph.segment_overhead_ms
             for s in segments]
         facts = graph.replay_facts
-        in_segment = {i for idx in seg_idx for i in idx}
+        self.in_segment = in_segment = {i for idx in seg_idx for i in idx}
         need: dict[int, int] = {}
         for i in range(len(graph.nodes)):
             if i not in in_segment:
@@ -257,18 +253,23 @@ class Transfers:
 
     def _just_in_time(self, start_ms: dict[int, float]) -> dict[str, str]:
         """Per offloaded node, the backward node whose start is the latest at which its fetch
-        can be issued for every fetch to land by its need, queued in need order."""
+        can be issued for every fetch to land by its need, queued in need order. A trigger is a
+        node outside every segment whose output gets a gradient (where the runtime's gradient
+        hook fires); without one before the need, the need itself fetches."""
         graph = self.graph
-        backward = sorted(start_ms, key=lambda i: start_ms[i])  # backward order
+        differentiable = graph.replay_facts.differentiable
+        eligible = [i for i in sorted(start_ms, key=lambda i: start_ms[i])  # backward order
+                    if i not in self.in_segment and graph.nodes[i].name in differentiable]
         latest_finish = float("inf")
         out: dict[str, str] = {}
         for name in reversed(self.order):
             finish = min(start_ms[self.node_need[name]], latest_finish)
             begin = finish - self.spec.h2d_ms(sum(self.sizes[k] for k in self.storages_by_node[name]))
             latest_finish = begin
-            chosen = backward[0]
-            for i in backward:
-                if start_ms[i] > begin or i < self.node_need[name]:
+            candidates = [i for i in eligible if i >= self.node_need[name]]
+            chosen = candidates[0] if candidates else self.node_need[name]
+            for i in candidates[1:]:
+                if start_ms[i] > begin:
                     break
                 chosen = i
             out[name] = graph.nodes[chosen].name
