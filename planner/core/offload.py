@@ -90,9 +90,8 @@ class OffloadSpec:
         return size_bytes / (self.d2h_gbps * 1e6)
 
 
-#: Host links by device name, with a reused pinned pool (sources: docs/tuning.md#host_links):
-#: an H100 over PCIe Gen5 x16 moves about 50 GB/s each way; a GH200's NVLink-C2C about 400 GB/s
-#: host-to-device and 170 GB/s device-to-host.
+#: Host links by device name, with a reused pinned pool (sources: docs/tuning.md#host_links): an H100
+#: over PCIe Gen5 x16 moves about 50 GB/s each way; a GH200 about 400 GB/s to and 170 from the device.
 HOST_LINKS: dict[str, OffloadSpec] = {
     "h100": OffloadSpec(h2d_gbps=50.0, d2h_gbps=50.0),
     "h200": OffloadSpec(h2d_gbps=50.0, d2h_gbps=50.0),
