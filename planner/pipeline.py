@@ -258,9 +258,9 @@ def optimize(
         offload, host_bandwidth_gbps, pinned_host_gb: move held outputs to pinned host memory as
             a third choice beside keeping and recomputing (:mod:`planner.solvers.offload`), with
             copies priced at ``host_bandwidth_gbps`` GB/s each way (default: an H100 over PCIe,
-            docs/tuning.md#host_links) and at most ``pinned_host_gb`` GiB pinned. Offload plans
-            are simulated only: ``offload=True`` is refused with a one-line error, on CPU
-            because copies pay off only behind GPU compute (docs/benchmarks/offload.md).
+            docs/tuning.md#host_links) and at most ``pinned_host_gb`` GiB pinned. Until a GPU
+            has measured offload plans, ``offload=True`` is refused with a one-line error (on CPU
+            because copies pay off only behind GPU compute; docs/benchmarks/offload.md).
         share_plan: under ``torch.distributed``, rank 0 profiles and plans and every rank runs
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times

@@ -38,14 +38,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
 
-__all__ = ["HostOffload", "PinnedPool"]
+__all__ = ["HostOffload", "PinnedPool", "apply_offload"]
 
 log = logging.getLogger(__name__)
 
@@ -295,3 +297,90 @@ class HostOffload:
         if packed.users <= 0:
             self._release(packed)
         return tensor
+
+
+class _Holder:
+    """The :class:`HostOffload` a rewritten graph calls, as a plain attribute (not a submodule)."""
+
+    __slots__ = ("offload", "stack")
+
+    def __init__(self, offload: HostOffload) -> None:
+        self.offload = offload
+        self.stack: contextlib.ExitStack | None = None
+
+
+def _begin(holder: _Holder) -> None:
+    if holder.stack is not None:  # the last forward raised before its end
+        holder.stack.close()
+    holder.stack = contextlib.ExitStack()
+    holder.stack.enter_context(holder.offload.hooks())
+
+
+def _end(holder: _Holder, value: Any) -> Any:
+    if holder.stack is not None:
+        holder.stack.close()
+        holder.stack = None
+    return value
+
+
+def _mark(holder: _Holder, value: Any, name: str) -> None:
+    for tensor in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(tensor, torch.Tensor):
+            holder.offload.mark(tensor, name)
+
+
+def _fetch_when(holder: _Holder, value: Any, names: tuple[str, ...]) -> None:
+    tensor = value[0] if isinstance(value, (tuple, list)) and value else value
+    if isinstance(tensor, torch.Tensor):
+        holder.offload.fetch_when_grad_reaches(tensor, names)
+
+
+def apply_offload(gm: torch.fx.GraphModule, plan: Any, offload: HostOffload) -> torch.fx.GraphModule:
+    """Rewrite ``gm`` (the captured graph ``plan`` was made from, before
+    :func:`rewrite.segments.apply_plan`) in place so its forward runs under ``offload``'s hooks,
+    marks each of ``plan.offloaded`` where its value is first available outside a segment, and
+    fetches it when the backward reaches its trigger (``plan.offload_triggers``); returns ``gm``.
+
+    Example:
+        >>> from planner.core.plan import Plan
+        >>> from profiling.trace import trace_module
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        >>> gm = trace_module(model, (torch.randn(2, 4),))
+        >>> names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+        >>> plan = Plan(0, 0, 0, (), 0.0, 0.0, 0, "test", 0.0, offloaded=(names[-2],),
+        ...             offload_triggers=(names[-1],))
+        >>> offload = HostOffload(torch.device("cpu"))
+        >>> apply_offload(gm, plan, offload)(torch.randn(2, 4)).sum().backward()
+        >>> offload.packed_bytes   # tanh's output, 2 x 8 floats (saved by tanh and the linear)
+        64
+    """
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    unknown = [n for n in (*plan.offloaded, *plan.offload_triggers) if n not in by_name]
+    if unknown:
+        raise ValueError(f"offloaded or trigger nodes not in the graph: {unknown[:3]}; re-plan on this graph")
+    segment_end = {name: seg.node_names[-1] for seg in plan.segments for name in seg.node_names}
+    gm.offload_holder = _Holder(offload)  # type: ignore[assignment]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
+        holder = graph.get_attr("offload_holder")
+    with graph.inserting_after(holder):
+        graph.call_function(_begin, (holder,))
+    for name in plan.offloaded:
+        with graph.inserting_after(by_name[segment_end.get(name, name)]):
+            graph.call_function(_mark, (holder, by_name[name], name))
+    by_trigger: dict[str, list[str]] = {}
+    for name, trigger in zip(plan.offloaded, plan.offload_triggers):
+        by_trigger.setdefault(trigger, []).append(name)
+    for trigger, names in by_trigger.items():
+        with graph.inserting_after(by_name[trigger]):
+            graph.call_function(_fetch_when, (holder, by_name[trigger], tuple(names)))
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        ended = graph.call_function(_end, (holder, output.args[0]))
+    output.args = (ended,)
+    graph.lint()
+    gm.recompile()
+    return gm

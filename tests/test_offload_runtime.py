@@ -175,3 +175,36 @@ def test_the_gpu_offload_benchmark_runs_on_cpu_on_small_models_with_the_gradient
     offloaded = {row.split(" | ")[1]: float(row.split(" | ")[3]) for row in rows if row.startswith("| gpt2")}
     assert offloaded["keep all"] == 0 and offloaded["every layer, inputs offloaded"] > 0
     assert offloaded["first half offloaded, rest every layer"] > offloaded["every layer, inputs offloaded"]
+
+
+def test_an_offload_plan_applied_to_the_captured_graph_moves_what_it_planned_and_keeps_the_gradients():
+    from examples.models import residual_mlp
+    from planner.core.costgraph import protect_reads_before_writes
+    from planner.core.offload import HOST_LINKS
+    from planner.core.plan import Plan
+    from planner.core.simulate import simulate
+    from planner.solvers.hand_policies import hand_placed_plans
+    from planner.solvers.offload import offload_plan
+    from profiling import profile_graph, trace_module
+    from rewrite.apply import apply_plan
+    from rewrite.offload import apply_offload
+
+    model, inputs = residual_mlp(batch=256)
+    gm = trace_module(model, inputs)
+    graph = protect_reads_before_writes(profile_graph(gm, inputs))
+    every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
+    budget = simulate(graph, every.segments).peak_bytes
+    base = Plan(budget, budget, simulate(graph).peak_bytes, every.segments, graph.forward_ms, graph.step_ms,
+                graph.forward_flops, "every layer", 0.0)
+    plan = offload_plan(graph, budget, base, HOST_LINKS["h100"])
+    assert plan is not None and plan.offloaded and len(plan.segments) < len(every.segments)
+    offload = HostOffload(torch.device("cpu"))
+    rewritten = apply_plan(apply_offload(gm, plan, offload), plan)
+    grads = []
+    for module in (model, rewritten):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        module(*inputs).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert offload.packed_bytes == plan.offloaded_bytes  # what the plan moves, and nothing else

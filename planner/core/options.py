@@ -151,10 +151,11 @@ class PlanOptions:
 
 
 def check_offload_device(offload: bool, device_type: str) -> None:
-    """Refuse ``offload=True`` where :func:`planner.pipeline.optimize` cannot apply it: copies to
-    host memory pay off only behind GPU compute, and the rewrite applies recompute plans alone
-    (offload plans are predicted: :func:`planner.solvers.offload.offload_plan`,
-    docs/benchmarks/offload.md; :mod:`rewrite.offload` holds the hooks).
+    """Refuse ``offload=True`` in :func:`planner.pipeline.optimize`: on CPU because copies to host
+    memory pay off only behind GPU compute; on CUDA until the GPU check has measured offload
+    plans (docs/benchmarks/offload.md is predicted). Plan one on a profile with
+    :func:`planner.solvers.offload.offload_plan` and apply it to the captured graph with
+    :func:`rewrite.offload.apply_offload` before :func:`rewrite.apply.apply_plan`.
 
     Example:
         >>> check_offload_device(False, "cpu")
@@ -168,6 +169,6 @@ def check_offload_device(offload: bool, device_type: str) -> None:
     if device_type != "cuda":
         raise InputError(f"offload=True needs a CUDA device (copies to host memory pay off only behind GPU "
                          f"compute): leave offload off on {device_type}")
-    raise InputError("offload=True is planned, not applied, by optimize: plan offload with "
-                     "planner.solvers.offload.offload_plan on a profile (docs/benchmarks/offload.md) and leave "
-                     "offload off here")
+    raise InputError("offload=True waits for a measurement on a GPU, so optimize refuses it: plan with "
+                     "planner.solvers.offload.offload_plan and apply with rewrite.offload.apply_offload "
+                     "(docs/design.md#offload), or leave offload off")
