@@ -168,14 +168,16 @@ def test_the_gpu_offload_benchmark_runs_on_cpu_on_small_models_with_the_gradient
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import offload_gpu
 
-    assert offload_gpu.main(["--device", "cpu", "--tiny", "--repeats", "1"]) == 0
+    assert offload_gpu.main(["--device", "cpu", "--tiny", "--repeats", "1", "--models", "gpt2"]) == 0
     table = capsys.readouterr().out
-    rows = [line for line in table.splitlines() if line.startswith("| gpt2") or line.startswith("| llama")]
-    assert len(rows) == 8 and all(row.endswith("| allclose |") for row in rows)
-    offloaded = {row.split(" | ")[1]: float(row.split(" | ")[3]) for row in rows if row.startswith("| gpt2")}
-    assert offloaded["keep all"] == 0 and offloaded["every layer, inputs offloaded"] > 0
-    assert offloaded["first half offloaded, rest every layer"] > offloaded["every layer, inputs offloaded"]
-
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| gpt2")]
+    hand = {row[1]: float(row[3]) for row in rows if len(row) == 6}
+    planned = {row[1]: row for row in rows if len(row) == 9}
+    assert all(row[-1] == "allclose |" for row in rows) and len(hand) == 4
+    assert hand["keep all"] == 0 and 0 < hand["every layer, inputs offloaded"] < hand[
+        "first half offloaded, rest every layer"]
+    # the offload plan's row is there where the start found a cheaper plan on this CPU's timings
+    assert list(planned)[:2] == ["nothing recomputed", "recompute only"] and len(planned) in (2, 3)
 
 def test_an_offload_plan_applied_to_the_captured_graph_moves_what_it_planned_and_keeps_the_gradients():
     from examples.models import residual_mlp
