@@ -207,8 +207,8 @@ class HostOffload:
             self.step.by_tensor.clear()
 
     def _release(self, packed: _Packed) -> None:
-        if packed.host is not None:
-            self.pool.give_back(packed.host, packed.fetched)
+        if packed.host is not None:  # free again once its last copy (back, else out) has completed
+            self.pool.give_back(packed.host, packed.fetched if packed.fetched is not None else packed.copied)
         packed.host = packed.device_copy = packed.on_device = None
 
     def _pack(self, tensor: torch.Tensor) -> Any:

@@ -210,3 +210,42 @@ def test_an_offload_plan_applied_to_the_captured_graph_moves_what_it_planned_and
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert offload.packed_bytes == plan.offloaded_bytes  # what the plan moves, and nothing else
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_an_applied_offload_plan_fits_its_budget_and_keeps_the_gradients():
+    from examples.models import residual_mlp
+    from planner.core.costgraph import protect_reads_before_writes
+    from planner.core.offload import HOST_LINKS
+    from planner.core.simulate import simulate
+    from planner.solvers.hand_policies import hand_placed_plans
+    from planner.solvers.offload import offload_plan
+    from planner.solvers.solve import solve
+    from profiling import StepInputs, profile_graph, trace_module
+    from profiling.measure import measure_step_peak_bytes
+    from rewrite.apply import CheckpointedModule, apply_plan
+    from rewrite.offload import apply_offload
+
+    device = torch.device("cuda")
+    model, inputs = residual_mlp(batch=8192)
+    model = model.to(device)
+    inputs = tuple(t.to(device) for t in inputs)
+    graph = protect_reads_before_writes(profile_graph(trace_module(model, inputs), inputs))
+    every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
+    budget = simulate(graph, every.segments).peak_bytes
+    plan = offload_plan(graph, budget, solve(graph, budget), HOST_LINKS["h100"])
+    if plan is None:
+        pytest.skip("the offload start found nothing cheaper on this GPU's timings")
+    offload = HostOffload(device)
+    gm = apply_plan(apply_offload(trace_module(model, inputs), plan, offload), plan)
+    opt = CheckpointedModule(gm, model, plan)
+    grads = []
+    for module in (model, opt):
+        torch.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        module(*inputs).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert offload.packed_bytes == plan.offloaded_bytes
+    assert measure_step_peak_bytes(opt, StepInputs.from_example(inputs)) <= budget
