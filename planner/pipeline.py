@@ -39,6 +39,7 @@ from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.solvers.hand_policies import hand_placed_within_noise
+from planner.solvers.offload import offload_plan
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
@@ -80,6 +81,8 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
     sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.core.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
+    ``options.offload`` also tries moving held outputs to host memory
+    (:func:`planner.solvers.offload.offload_plan`) and keeps the plan that predicts less.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -114,6 +117,8 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
     plan = hand_placed_within_noise(graph, plan, planning_bytes)
+    if options.offload:  # held outputs to host memory where that predicts less (planner.solvers.offload)
+        plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 

@@ -233,3 +233,21 @@ def test_on_the_h100_profiles_offload_predicts_less_than_recompute_and_than_offl
     assert plan.extra_time_ms < base.extra_time_ms
     boundaries = simulate_offload(graph, every.segments, list(offloadable_nodes(graph, every.segments)), link)
     assert plan.extra_time_ms < every.recompute_ms + boundaries.exposed_ms
+
+
+def test_plan_for_budget_with_offload_keeps_the_plan_that_predicts_less_and_options_are_checked():
+    from planner.core.errors import InputError
+    from planner.core.options import PlanOptions
+    from planner.pipeline import plan_for_budget
+
+    g = dataclasses.replace(chain([4.0] * 8, times_ms=[2.0] * 8), step_ms=48.0)
+    budget_gb = simulate(g, [["n1", "n2"], ["n3", "n4"], ["n5", "n6"]]).peak_bytes / 2**30
+    plain = plan_for_budget(g, budget_gb, PlanOptions(safety_margin=0.0))
+    offloaded = plan_for_budget(g, budget_gb, PlanOptions(safety_margin=0.0, offload=True))
+    assert plain.offloaded == () and offloaded.offloaded
+    assert offloaded.extra_time_ms < plain.extra_time_ms and offloaded.predicted_peak_bytes <= budget_gb * 2**30
+    slow = plan_for_budget(g, budget_gb, PlanOptions(safety_margin=0.0, offload=True, host_bandwidth_gbps=1e-4))
+    assert slow.offloaded == () and slow.segments == plain.segments
+    for bad in (dict(host_link="pcie9"), dict(host_bandwidth_gbps=0), dict(pinned_host_gb=-1.0), dict(offload=1)):
+        with pytest.raises(InputError):
+            PlanOptions(**bad)
