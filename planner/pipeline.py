@@ -81,8 +81,6 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
     sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.core.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
-    ``options.offload`` also tries moving held outputs to host memory
-    (:func:`planner.solvers.offload.offload_plan`) and keeps the plan that predicts less.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -117,7 +115,7 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
     plan = hand_placed_within_noise(graph, plan, planning_bytes)
-    if options.offload:  # held outputs to host memory where that predicts less (planner.solvers.offload)
+    if options.offload:  # held outputs to host memory, where that predicts less
         plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
@@ -177,9 +175,7 @@ def optimize(
     loss_fn: Callable[[Any], Any] | None = None,
     output_held: bool = False,
     share_plan: bool = True,
-    offload: bool = False,
-    host_bandwidth_gbps: float | None = None,
-    pinned_host_gb: float | None = None,
+    offload: bool = False, host_bandwidth_gbps: float | None = None, pinned_host_gb: float | None = None,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -260,12 +256,10 @@ def optimize(
             as in ``criterion(opt(x), y).backward()``, ``model(**batch).loss.backward()`` and
             the HF Trainer; a module planned so warns once if a loop holds the output anyway
             (docs/memory.md).
-        offload, host_bandwidth_gbps, pinned_host_gb: move held outputs to pinned host memory as
-            a third choice beside keeping and recomputing (:mod:`planner.solvers.offload`), with
-            copies priced at ``host_bandwidth_gbps`` GB/s each way (default: an H100 over PCIe,
-            docs/tuning.md#host_links) and at most ``pinned_host_gb`` GiB pinned. Until a GPU
-            has measured offload plans, ``offload=True`` is refused with a one-line error (on CPU
-            because copies pay off only behind GPU compute; docs/benchmarks/offload.md).
+        offload, host_bandwidth_gbps, pinned_host_gb: held outputs to pinned host memory as a third
+            choice (:mod:`planner.solvers.offload`; GB/s each way, docs/tuning.md#host_links; GiB
+            pinned at most). Refused with a one-line error until a GPU has measured offload plans
+            (docs/benchmarks/offload.md); on CPU copies pay off only behind GPU compute.
         share_plan: under ``torch.distributed``, rank 0 profiles and plans and every rank runs
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times
@@ -299,7 +293,7 @@ def optimize(
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
-    check_offload_device(offload, _device_type(model))
+    check_offload_device(offload, next((t.device.type for t in (*model.parameters(), *model.buffers())), "cpu"))
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two
@@ -321,13 +315,6 @@ def optimize(
         except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
             raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
-
-
-def _device_type(model: Any) -> str:
-    """The device type of the model's first parameter or buffer (``cpu`` where it has none)."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return str(tensor.device.type)
-    return "cpu"
 
 
 def _budget_from_fraction(model: Any, example_inputs: Any, fraction: float, step: TrainingStep) -> float:

@@ -120,7 +120,8 @@ def fit_with_offload(graph: CostGraph, segments: Sequence[Segment], budget_bytes
         ...                CostNode("a", "relu", input_names=("x",), output_storages=(2,), saved_storages=(2,),
         ...                         output_bytes=10, requires_grad=True, time_ms=1.0)),
         ...               (Storage(1, 10, True), Storage(2, 10)), output_names=("a",))
-        >>> fit_with_offload(g, (), 30, OffloadSpec(1.0, 1.0)).offloaded, fit_with_offload(g, (), 29, OffloadSpec(1.0, 1.0))
+        >>> link = OffloadSpec(1.0, 1.0)
+        >>> fit_with_offload(g, (), 30, link).offloaded, fit_with_offload(g, (), 29, link)
         ((), None)
     """
     alone = _fits(graph, segments, (), budget_bytes, spec)
