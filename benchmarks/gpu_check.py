@@ -12,12 +12,17 @@ installed), then runs, each as a subprocess with its own timeout:
 3. ``captured_vs_eager``: the captured graph with nothing recomputed (``optimize`` at a roomy
    budget) against the eager model's step time, interleaved repeats, median ratio (page
    ``docs/benchmarks/captured_graph_cuda.md``);
-4. ``target_accuracy``: ``benchmarks/target_accuracy.py`` on two models. It compares fake-tensor
+4. ``offload``: ``benchmarks/offload_gpu.py`` on Llama and GPT-2 at the H100 profiles' sizes:
+   keeping everything, checkpointing every layer, and the two with saved tensors offloaded to
+   pinned host memory (:mod:`rewrite.offload`); then plans made on the GPU at every-layer's
+   peak, recompute only and with offload, applied and measured against their predictions (page
+   ``docs/benchmarks/offload_cuda.md``, written after each model);
+5. ``target_accuracy``: ``benchmarks/target_accuracy.py`` on two models. It compares fake-tensor
    profiles for ``--target h100`` with the H100 profiles saved in ``tests/data/h100/``, not
    with this GPU's own measurements;
-5. ``corpus``: ``benchmarks/corpus.py --device cuda --quick`` on a few families (page
+6. ``corpus``: ``benchmarks/corpus.py --device cuda --quick`` on a few families (page
    ``docs/benchmarks/corpus_cuda.md``), skipped with its reason where the script is absent;
-6. ``pages``: stamps each ``docs/benchmarks/*_cuda.md`` page the steps wrote with the date, the
+7. ``pages``: stamps each ``docs/benchmarks/*_cuda.md`` page the steps wrote with the date, the
    GPU's name and the torch version (where the page lacks one of them) and copies it to the
    output folder.
 
@@ -65,6 +70,9 @@ CAPTURED_REPEATS = 9
 #: budget for the captured graph with nothing recomputed: more than any of its models' steps hold
 ROOMY_BUDGET_GB = 1000.0
 TARGET_MODELS = ("gpt2_gpu", "llama_gpu")
+#: Llama first: its profile takes a third of GPT-2's, so a cut time box still has one planned model
+OFFLOAD_MODELS = ("llama", "gpt2")
+OFFLOAD_REPEATS = 3
 CORPUS_FAMILIES = ("gpt2", "llama", "bert", "t5", "vit")
 
 
@@ -98,19 +106,23 @@ def plan_steps(out: Path, python: str = "python3") -> list[Step]:
              "fails, then only the missing pure-Python dependencies (never torch)"),
         Step("cuda_tests", 70, "every test marked cuda",
              (python, "-m", "pytest", "-m", "cuda", "-q", "--continue-on-collection-errors", "tests")),
-        Step("quality", 150, "quality on a GPU, the user's exact computation and rows labelled "
+        Step("quality", 125, "quality on a GPU, the user's exact computation and rows labelled "
              "'planner, masks simplified', page quality_check_cuda.md",
              (python, "benchmarks/quality.py", "--device", "cuda", "--models", *QUALITY_MODELS,
               "--repeats", str(QUALITY_REPEATS), "--simplify-attention-masks", "--name", "quality_check_cuda",
               "--out", results, "--docs")),
-        Step("captured_vs_eager", 75, "the captured graph with nothing recomputed against the eager step, "
+        Step("captured_vs_eager", 65, "the captured graph with nothing recomputed against the eager step, "
              "page captured_graph_cuda.md",
              (python, "benchmarks/gpu_check.py", "captured-vs-eager", "--models", *CAPTURED_MODELS,
               "--repeats", str(CAPTURED_REPEATS), "--out", results, "--docs")),
+        Step("offload", 65, "saved tensors offloaded to pinned host memory against keep-all and every layer "
+             "on GPT-2 and Llama: measured peak, step time, gradients, page offload_cuda.md",
+             (python, "benchmarks/offload_gpu.py", "--device", "cuda", "--models", *OFFLOAD_MODELS,
+              "--repeats", str(OFFLOAD_REPEATS), "--docs")),
         Step("target_accuracy", 45, "--target h100 fake profiles against the saved H100 profiles "
              "(tests/data/h100), not this GPU's measurements",
              (python, "benchmarks/target_accuracy.py", "--models", *TARGET_MODELS)),
-        Step("corpus", 90, "a few corpus families on the GPU, quick, page corpus_cuda.md",
+        Step("corpus", 70, "a few corpus families on the GPU, quick, page corpus_cuda.md",
              (python, "benchmarks/corpus.py", "--device", "cuda", "--families", *CORPUS_FAMILIES, "--quick",
               "--out", results, "--docs"),
              skip_reason=None if corpus.exists() else "benchmarks/corpus.py is not in this tree"),

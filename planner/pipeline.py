@@ -30,7 +30,8 @@ from planner.core.costgraph import (
     with_held_bytes,
 )
 from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
-from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb
+from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb,
+                                  check_offload_device)
 from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
@@ -38,6 +39,7 @@ from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.solvers.hand_policies import hand_placed_within_noise
+from planner.solvers.offload import offload_plan
 from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
@@ -111,6 +113,8 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
     plan = hand_placed_within_noise(graph, plan, planning_bytes)
+    if options.offload:  # held outputs to host memory, where that predicts less
+        plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 
@@ -169,6 +173,10 @@ def optimize(
     loss_fn: Callable[[Any], Any] | None = CaptureOptions.loss_fn,
     output_held: bool = CaptureOptions.output_held,
     share_plan: bool = True,
+    offload: bool = PlanOptions.offload,
+    host_link: str = PlanOptions.host_link,
+    host_bandwidth_gbps: float | None = PlanOptions.host_bandwidth_gbps,
+    pinned_host_gb: float | None = PlanOptions.pinned_host_gb,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -249,6 +257,11 @@ def optimize(
             as in ``criterion(opt(x), y).backward()``, ``model(**batch).loss.backward()`` and
             the HF Trainer; a module planned so warns once if a loop holds the output anyway
             (docs/memory.md).
+        offload, host_link, host_bandwidth_gbps, pinned_host_gb: held outputs to pinned host
+            memory as a third choice (:mod:`planner.solvers.offload`), copies priced over
+            ``host_link`` or ``host_bandwidth_gbps`` GB/s each way (docs/tuning.md#host_links), with
+            at most ``pinned_host_gb`` GiB pinned. Refused with a one-line error until a GPU has measured offload plans
+            (docs/benchmarks/offload.md); on CPU copies pay off only behind GPU compute.
         share_plan: under ``torch.distributed``, rank 0 profiles and plans and every rank runs
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times
@@ -276,11 +289,13 @@ def optimize(
     check_budget_choice(budget_gb, budget_fraction)
     planning = PlanOptions(reserve_gb=reserve_gb, safety_margin=safety_margin, max_stages=max_stages, solver=solver,
                            time_limit_s=time_limit_s, selective=selective, world_size=world_size, exact=exact,
-                           max_solve_s=max_solve_s)
+                           max_solve_s=max_solve_s, offload=offload, host_link=host_link,
+                           host_bandwidth_gbps=host_bandwidth_gbps, pinned_host_gb=pinned_host_gb)
     capture = CaptureOptions(trace_method=trace_method, timing_repeats=timing_repeats, cache_dir=cache_dir,
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
+    check_offload_device(offload, next((t.device.type for t in (*model.parameters(), *model.buffers())), "cpu"))
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two

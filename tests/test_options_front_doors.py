@@ -29,6 +29,10 @@ NOT_ON_THE_CLI = {
     "cache_dir": "the CLI profiles once per call",
     "progress": "-v logs progress",
     "loss_fn": "a Python callable",
+    "offload": "refused until a GPU has measured offload plans",
+    "host_link": "offload's; refused until a GPU has measured offload plans",
+    "host_bandwidth_gbps": "offload's; refused until a GPU has measured offload plans",
+    "pinned_host_gb": "offload's; refused until a GPU has measured offload plans",
 }
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from planner.core.errors import InputError, check_max_stages, check_time_limit
+from planner.core.offload import HOST_LINKS, OffloadSpec
 from planner.core.units import GIB
 
 __all__ = ["SolveOptions", "PlanOptions", "with_overrides", "FINER_PASS_S", "FINER_PASS_ROUNDS",
-           "EXACT_SEARCH_S", "check_budget_gb", "check_budget_choice", "MAX_PLAUSIBLE_BUDGET_GB"]
+           "EXACT_SEARCH_S", "check_budget_gb", "check_budget_choice", "check_offload_device",
+           "MAX_PLAUSIBLE_BUDGET_GB"]
 
 #: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
 #: single accelerator holds a terabyte.
@@ -165,12 +167,25 @@ def with_overrides(options: SolveOptions | None, overrides: dict[str, Any]) -> S
 class PlanOptions(SolveOptions):
     """The planning options of :func:`planner.pipeline.optimize`: how to solve
     (:class:`SolveOptions`) and what room to keep, checked when made, so a bad one fails before
-    any profiling.
+    any profiling. ``offload``: held outputs may also go to pinned host memory
+    (:mod:`planner.solvers.offload`), over ``host_link``'s bandwidths
+    (:data:`planner.core.offload.HOST_LINKS`) or ``host_bandwidth_gbps`` both ways, with at most
+    ``pinned_host_gb`` GiB pinned.
+
+    Example:
+        >>> PlanOptions(offload=True, host_bandwidth_gbps=25).offload_spec().d2h_gbps
+        25.0
+        >>> PlanOptions(offload=True, pinned_host_gb=8).offload_spec().pinned_host_bytes == 8 * 2**30
+        True
     """
 
     reserve_gb: float = _option(0.0, "GiB kept outside the plan (optimizer state, other tensors)")
     safety_margin: float = _option(0.01, "share of the rest of the budget kept free")
     world_size: int = _option(1, "ranks the parameters and their gradients are sharded over (FSDP/ZeRO-3)")
+    offload: bool = _option(False, "held outputs may also go to pinned host memory (CUDA; predicted only)")
+    host_link: str = _option("h100", "the host link whose bandwidths price the copies (planner.core.offload.HOST_LINKS)")
+    host_bandwidth_gbps: float | None = _option(None, "host link bandwidth both ways in GB/s, instead of host_link's")
+    pinned_host_gb: float | None = _option(None, "most GiB of pinned host memory the copies may hold")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -181,7 +196,49 @@ class PlanOptions(SolveOptions):
             raise InputError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise InputError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if not isinstance(self.offload, bool):
+            raise InputError(f"offload must be True or False, got {self.offload!r}")
+        if self.host_link not in HOST_LINKS:
+            raise InputError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
+        for name in ("host_bandwidth_gbps", "pinned_host_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise InputError(f"{name} must be a positive number, got {value!r}")
+
+    def offload_spec(self) -> OffloadSpec:
+        """The host link the offload start prices copies with."""
+        spec = HOST_LINKS[self.host_link]
+        if self.host_bandwidth_gbps is not None:
+            spec = replace(spec, h2d_gbps=float(self.host_bandwidth_gbps), d2h_gbps=float(self.host_bandwidth_gbps))
+        if self.pinned_host_gb is not None:
+            spec = replace(spec, pinned_host_bytes=int(self.pinned_host_gb * GIB))
+        return spec
 
     @property
     def reserve_bytes(self) -> int:
         return check_budget_gb(self.reserve_gb, "reserve_gb") if self.reserve_gb else 0
+
+
+def check_offload_device(offload: bool, device_type: str) -> None:
+    """Refuse ``offload=True`` in :func:`planner.pipeline.optimize`: on CPU because copies to host
+    memory pay off only behind GPU compute; on CUDA until the GPU check has measured offload
+    plans (docs/benchmarks/offload.md is predicted). Plan one on a profile with
+    :func:`planner.solvers.offload.offload_plan` and apply it to the captured graph with
+    :func:`rewrite.offload.apply_offload` before :func:`rewrite.apply.apply_plan`.
+
+    Example:
+        >>> check_offload_device(False, "cpu")
+        >>> check_offload_device(True, "cpu")
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: offload=True needs a CUDA device (copies to host memory pay off only behind GPU compute): leave offload off on cpu
+    """
+    if not offload:
+        return
+    if device_type != "cuda":
+        raise InputError(f"offload=True needs a CUDA device (copies to host memory pay off only behind GPU "
+                         f"compute): leave offload off on {device_type}")
+    raise InputError("offload=True waits for a measurement on a GPU, so optimize refuses it: plan with "
+                     "planner.solvers.offload.offload_plan and apply with rewrite.offload.apply_offload "
+                     "(docs/design.md#offload), or leave offload off")

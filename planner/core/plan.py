@@ -136,6 +136,15 @@ class Plan:
     #: the rewritten step's peak measured at the allocator, where the plan was accepted on that
     #: measurement because its prediction sat above the budget's room (:mod:`planner.measured_fit`)
     measured_peak_bytes: int | None = None
+    #: nodes whose held outputs go to pinned host memory in the forward and come back for the
+    #: backward (:mod:`planner.core.offload`); empty: nothing is offloaded
+    offloaded: tuple[str, ...] = ()
+    #: for each node of ``offloaded``, the node whose backward issues its fetch back to the device
+    offload_triggers: tuple[str, ...] = ()
+    #: bytes those outputs take in host memory
+    offloaded_bytes: int = 0
+    #: predicted time the compute waits for copies to or from host memory, per step
+    exposed_transfer_ms: float = 0.0
 
     @property
     def recompute_ms(self) -> float:
@@ -154,9 +163,14 @@ class Plan:
         return tuple(name for s in self.segments for name in rerun_nodes(s))
 
     @property
+    def extra_time_ms(self) -> float:
+        """Predicted extra time per step: recompute plus the host copies not hidden behind compute."""
+        return self.recompute_ms + self.exposed_transfer_ms
+
+    @property
     def overhead_ratio(self) -> float:
         """Predicted extra step time as a fraction of the unoptimized step."""
-        return self.recompute_ms / self.step_ms if self.step_ms > 0 else 0.0
+        return self.extra_time_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     def summary(self) -> str:
         """A few lines a person can read: budget, peaks, what is recomputed, the cost."""
@@ -164,7 +178,7 @@ class Plan:
         # step time and peaks that were measured, not predicted
         profiled = self.step_ms > 0 or self.measured_unoptimized_peak_bytes != self.unoptimized_peak_bytes
         how = "predicted" if profiled else "measured"
-        extra_time = f"{format_ms(self.recompute_ms)} per step, predicted" + (
+        extra_time = f"{format_ms(self.extra_time_ms)} per step, predicted" + (
             f" (~{self.overhead_ratio:.1%} of a {format_ms(self.step_ms)} step, measured)" if self.step_ms > 0 else "")
         rows = [
             ("budget", f"{self.budget_bytes / GIB:.4f} GiB"),
@@ -175,6 +189,10 @@ class Plan:
                                  f"allocator)")]
               if self.measured_peak_bytes is not None else []),
             ("recomputed", describe_segments(self.segments)),
+            *([("offloaded", f"outputs of {_count(len(self.offloaded), 'node')}, {self.offloaded_bytes / GIB:.4f} GiB "
+                             f"to pinned host memory ({format_ms(self.recompute_ms)} recompute + "
+                             f"{format_ms(self.exposed_transfer_ms)} of copies not hidden, predicted)")]
+              if self.offloaded else []),
             ("extra time", extra_time),
             ("extra FLOPs", f"{self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
                             f"of the forward)" if self.capture == "graph" else "not counted (module path: time only)"),

@@ -37,10 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Segment
 from planner.core.rerun import after_last_save_fraction
+
+if TYPE_CHECKING:  # pragma: no cover
+    from planner.core.offload import Transfers
 
 __all__ = ["SimulationResult", "fits_budget", "peak_by_kind", "simulate", "validate_segments", "PEAK_KINDS"]
 
@@ -248,8 +252,11 @@ def _persistent_bytes(graph: CostGraph) -> int:
     return sum(sizes[k].size_bytes for k in graph.replay_facts.persistent)
 
 
-def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: _Memory) -> None:
-    """Run the forward and backward of :func:`simulate` on ``mem``."""
+def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: _Memory,
+            transfers: Transfers | None = None) -> None:
+    """Run the forward and backward of :func:`simulate` on ``mem``; ``transfers`` (where given)
+    takes the forward-to-backward holds of the storages it moves to host memory
+    (:mod:`planner.core.offload`)."""
     names: list[Sequence[str]] = []
     kept: list[frozenset[str]] = []
     for seg in segments:
@@ -287,7 +294,8 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
         s = seg_of.get(i)
         if s is not None and i == seg_indices[s][0]:
             for k in seg_inputs[s]:
-                mem.hold(k)
+                if transfers is None or not transfers.take_hold(mem, k, i):
+                    mem.hold(k)
             mem.alloc(("segment_state", s), graph.segment_overhead_bytes)
         new_bytes = 0
         keep_output = s is not None and node.name in kept[s]
@@ -306,13 +314,16 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
                 cache_views[s].append(k)
         if s is None:
             for k in facts.saved[i]:
-                mem.hold(k)
+                if transfers is None or not transfers.take_hold(mem, k, i):
+                    mem.hold(k)
         if node.kind == "compute":
             mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
         for k in facts.made[i]:
             mem.free_if_unheld(k)
         for k in facts.forward_frees[i]:
             mem.release(k)
+        if transfers is not None:
+            transfers.forward_done(mem, i)
 
     # ---- backward ----
     grad_key = facts.grad_key
@@ -331,7 +342,10 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
         s = seg_of.get(i)
         own = grad_key[node.name]
         runs_backward = own in mem.refs
-        if runs_backward and s is not None and s not in recomputed and node.saved_storages:
+        if transfers is not None:
+            transfers.backward_needs(mem, i)
+        recomputes = runs_backward and s is not None and s not in recomputed and bool(node.saved_storages)
+        if recomputes:
             recomputed.add(s)
             _recompute(graph, seg_indices[s], seg_inputs[s], cached[s], persistent, mem)
             for k in cache_views[s]:
@@ -369,6 +383,8 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
             for k in seg_inputs[s]:
                 mem.release(k)
             mem.free(("segment_state", s))
+        if transfers is not None:
+            transfers.backward_done(mem, i, s if recomputes else None)
 
 
 def _release_saved(saved: Iterable[int], s: int | None, recomputed: set[int], cached: list[set[int]],
