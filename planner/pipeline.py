@@ -128,6 +128,8 @@ class CaptureOptions:
     chunk_loss: bool = False
     loss_fn: Callable[[Any], Any] | None = None
     output_held: bool = False
+    #: the ``torch.compile`` backend the step runs under (:mod:`rewrite.compiled`); None: eagerly
+    compile_backend: str | None = None
 
     @property
     def step(self) -> TrainingStep:
@@ -171,6 +173,7 @@ def optimize(
     loss_fn: Callable[[Any], Any] | None = None,
     output_held: bool = False,
     share_plan: bool = True,
+    compile: bool | str = False,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -255,6 +258,12 @@ def optimize(
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times
             differ between ranks, and so can their plans).
+        compile: run the training step under ``torch.compile`` (True: the default ``"inductor"``
+            backend; a string: that backend) with the plan honoured inside one graph: each segment's
+            non-reentrant checkpoint is traced by Dynamo (:mod:`rewrite.compiled`). Plans are
+            checked on the compiled step's measured peak (:mod:`planner.compiled_plan`), one compile
+            each; ``plan.compile_graph_breaks`` counts Dynamo's graph breaks. Not with
+            ``selective``, ``chunk_loss`` or ``world_size`` > 1.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -283,6 +292,11 @@ def optimize(
                              progress=progress, simplify_attention_masks=simplify_attention_masks,
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
+    if compile is not False:
+        from planner.compiled_plan import compile_backend_of
+
+        capture = dataclasses.replace(capture, compile_backend=compile_backend_of(
+            compile, selective=selective, chunk_loss=chunk_loss, world_size=world_size, trace_method=trace_method))
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two
@@ -380,6 +394,12 @@ class Replanner:
             return plan_for_budget(profiled, budget, self.planning, grads_held=grads_held)
 
         gm = trace()
+        if self.capture.compile_backend is not None and graph is None and not grads_held:
+            from planner.compiled_plan import plan_compiled
+
+            return plan_compiled(gm, example_inputs, self.budget_gb, self.planning, self.capture.step,
+                                 self.capture.compile_backend, profile, lambda g, budget_gb: plan_for_budget(
+                                     g, budget_gb, self.planning), original=model)
         if graph is None and not grads_held and self.planning.world_size == 1:
             roomy = self._plan_if_the_step_fits(gm, example_inputs)
             if roomy is not None:
