@@ -183,3 +183,26 @@ def test_inductor_gpt2_plan_measures_within_budget_bitwise_with_dropout():
         assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_enable_passes_compile_on():
+    """``planner.enable(model, compile=...)`` plans in place on the first batch, and the model's
+    own forward then runs the compiled planned step (no graph break, the compiled model's loss)."""
+    from planner.integrations.inplace import disable, enable, plan_of
+
+    torch._dynamo.reset()
+    model, inputs = make_net()
+    reference, _ = step_of(torch.compile(model, backend="aot_eager"), model, inputs, seed=5)
+    peak = measure_step_peak_bytes(torch.compile(model, backend="aot_eager"), StepInputs.from_example(inputs))
+    enable(model, budget_gb=0.7 * peak / 2**30, compile="aot_eager", **FAST)
+    try:
+        step_of(model, model, inputs, seed=1)   # plans and compiles
+        plan = plan_of(model)
+        assert plan.segments and plan.compile_graph_breaks == 0
+        before = graph_break_count()
+        loss, _ = step_of(model, model, inputs, seed=5)
+        assert graph_break_count() == before and torch.equal(loss, reference)
+    finally:
+        disable(model)
+        torch._dynamo.reset()
