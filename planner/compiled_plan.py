@@ -180,6 +180,8 @@ def plan_compiled(gm: Any, example_inputs: Any, budget_gb: float, planning: Plan
             continue
         if best is not None:  # the grown room overshot: the plan that fit stands
             break
+        if attempt == MAX_COMPILED_SOLVES - 1:
+            break
         # the compiled step saved ``predicted - peak`` on this plan: plan for that much, less the margin
         saved = plan.predicted_peak_bytes - peak
         extra = min(extra - (peak - room_bytes), saved) - margin_bytes

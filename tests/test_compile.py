@@ -161,9 +161,9 @@ def test_inductor_gpt2_plan_measures_within_budget_bitwise_with_dropout():
     model, example = gpt2(batch=2, seq_len=64, layers=2, width=128)
     inputs = StepInputs.from_example(example)
     compiled_model = torch.compile(model)
-    measure_step_peak_bytes(compiled_model, inputs)
-    compiled_peak = measure_step_peak_bytes(compiled_model, inputs)
-    opt = optimize(model, example, budget_gb=0.95 * compiled_peak / 2**30, compile=True, **FAST)
+    # 80 % of the eager peak: under the compiled unoptimized graph's peak, above the floor
+    opt = optimize(model, example, budget_gb=0.8 * measure_step_peak_bytes(model, inputs) / 2**30, compile=True,
+                   **FAST)
     assert opt.plan.segments and opt.plan.compile_graph_breaks == 0
     assert measure_step_peak_bytes(opt, inputs) <= opt.plan.budget_bytes
     assert "0 graph breaks" in opt.plan.summary()
