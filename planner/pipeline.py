@@ -128,8 +128,17 @@ class CaptureOptions:
     chunk_loss: bool = False
     loss_fn: Callable[[Any], Any] | None = None
     output_held: bool = False
-    #: the ``torch.compile`` backend the step runs under (:mod:`rewrite.compiled`); None: eagerly
-    compile_backend: str | None = None
+    #: run the step under ``torch.compile``: True (Inductor) or a backend name; False: eagerly
+    compile: bool | str = False
+
+    @property
+    def compile_backend(self) -> str | None:
+        """The ``torch.compile`` backend the step runs under (:mod:`rewrite.compiled`); None: eagerly."""
+        from rewrite.compiled import COMPILE_BACKEND
+
+        if self.compile is False:
+            return None
+        return COMPILE_BACKEND if self.compile is True else str(self.compile)
 
     @property
     def step(self) -> TrainingStep:
@@ -295,8 +304,9 @@ def optimize(
     if compile is not False:
         from planner.compiled_plan import compile_backend_of
 
-        capture = dataclasses.replace(capture, compile_backend=compile_backend_of(
-            compile, selective=selective, chunk_loss=chunk_loss, world_size=world_size, trace_method=trace_method))
+        compile_backend_of(compile, selective=selective, chunk_loss=chunk_loss, world_size=world_size,
+                           trace_method=trace_method)  # a one-line error for what compile does not take
+        capture = dataclasses.replace(capture, compile=compile)
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two
