@@ -5,7 +5,7 @@ peak measured at the allocator, one profile, and at each target (every-layer's p
 of the unoptimized peak) three plans of whole segments by ``plan_for_budget`` (as ``optimize``
 plans them, with the 1 % safety margin): ``exact=False`` (the ILP and its finer pass alone),
 the default ``exact=None`` (the exact search also runs on graphs under
-``planner.solvers.solve.EXACT_BY_DEFAULT_BELOW`` compute nodes when the ILP's plan leaves more than
+``planner.solvers.starts.exact_search.EXACT_BY_DEFAULT_BELOW`` compute nodes when the ILP's plan leaves more than
 ``EXACT_WHEN_UNUSED`` of the budget unused) and ``exact=True``. Predicted overhead (the
 profile's summed node times over its profiled step), the budget the first plan left unused,
 and each solve's wall time on this machine.

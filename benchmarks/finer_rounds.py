@@ -3,7 +3,7 @@
 A 12-layer GPT-2 (width 256, 4 heads, vocab 4096, batch 8 x 256; about 550 compute nodes) is
 profiled once. At each budget (a fraction of the measured unoptimized peak) the planner solves
 with ``finer_rounds=1, short_segments=False`` (one ILP on about twice the first stages)
-and with the defaults (:data:`planner.solvers.solve.FINER_PASS_ROUNDS` rounds, and the
+and with the defaults (:data:`planner.core.options.FINER_PASS_ROUNDS` rounds, and the
 short-segments start), as ``optimize`` plans (1 % safety margin). Each plan is run: peak at the allocator, extra FLOPs (FlopCounterMode) and step time
 as a ratio to the unoptimized step (interleaved repeats of all three modules, median, one
 process).
@@ -32,7 +32,8 @@ from models import gpt2
 from planner import optimize
 from planner.core.costgraph import CostGraph, protect_reads_before_writes
 from planner.core.plan import Plan
-from planner.solvers.solve import FINER_PASS_ROUNDS, solve
+from planner.core.options import FINER_PASS_ROUNDS
+from planner.solvers.solve import solve
 from profiling import StepInputs, measure_step_flops, measure_step_peak_bytes, trace_module
 from rewrite.apply import CheckpointedModule, apply_plan
 

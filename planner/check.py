@@ -31,6 +31,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from planner.core.simulate import simulate
+from planner.core.units import GIB, MIB
 
 __all__ = [
     "BASELINE_FORMAT",
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 BASELINE_FORMAT = "ckpt-planner-baseline"
-MIB = 2**20
 
 
 class BaselineError(PlannerError):
@@ -265,7 +265,7 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], tolerance: float)
     old_plans = {p["budget_bytes"]: p for p in baseline["plans"]}
     for plan in current["plans"]:
         old = old_plans.get(plan["budget_bytes"])
-        label = f"plan at {plan['budget_bytes'] / 2**30:.3f} GiB"
+        label = f"plan at {plan['budget_bytes'] / GIB:.3f} GiB"
         if old is None:
             result.rows.append({"figure": label, "baseline": None, "current": plan["predicted_peak_bytes"],
                                 "change": None, "status": "new"})

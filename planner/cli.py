@@ -42,6 +42,7 @@ from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT
 from planner.cli_messages import command_logging, for_the_command_line
 from planner.core.errors import InfeasibleBudgetError, PlannerError
 from planner.core.options import PlanOptions
+from planner.core.units import GIB
 
 __all__ = ["main", "load_entry_point"]
 
@@ -188,13 +189,13 @@ def _check_command(args: argparse.Namespace) -> int:
             baseline = None  # --update replaces another model's baseline
     _, module, inputs = _load_target(args, allow_entry_point=True)
     graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, step=_step(args))
-    budgets = [int(gb * 2**30) for gb in args.budget_gb or []]
+    budgets = [int(gb * GIB) for gb in args.budget_gb or []]
     if not budgets and baseline is not None:
         budgets = [p["budget_bytes"] for p in baseline["plans"]]
     plans = []
     for budget in budgets:
         try:
-            plan = plan_for_budget(graph, budget / 2**30, _plan_options(args))
+            plan = plan_for_budget(graph, budget / GIB, _plan_options(args))
             plans.append((budget, plan, None))
         except InfeasibleBudgetError as exc:
             plans.append((budget, None, exc.min_feasible_bytes))
@@ -273,7 +274,7 @@ def _report_command(args: argparse.Namespace) -> int:
     _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=args.chunk_loss, trace=trace,
                                                profile=profile, plan=plan_at)
     floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
-    plans = (sweep(graph, points=args.sweep, max_stages=args.max_stages, max_solve_s=args.max_solve_s)
+    plans = (sweep(graph, _plan_options(args), points=args.sweep)
              if args.sweep else [])
     bound = None
     if not args.no_bound:

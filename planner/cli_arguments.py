@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from planner.cli_messages import EXIT_USAGE, printable
+from planner.core.options import PlanOptions
 
 __all__ = ["MAX_SWEEP_POINTS", "build_parser"]
 
@@ -84,8 +85,8 @@ def _add_input_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_max_stages(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-stages", type=_int_at_least(1), default=32,
-                        help="stages the graph is reduced to before solving (default 32)")
+    parser.add_argument("--max-stages", type=_int_at_least(1), default=PlanOptions.max_stages,
+                        help=f"stages the graph is reduced to before solving (default {PlanOptions.max_stages})")
 
 
 def _add_solve_options(parser: argparse.ArgumentParser) -> None:

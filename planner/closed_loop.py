@@ -36,6 +36,7 @@ from typing import Any
 
 from planner.core.errors import InfeasibleBudgetError
 from planner.core.plan import GIB, Plan
+from planner.core.units import MIB
 
 __all__ = ["MAX_MEASURED_RESOLVES", "measured_plan"]
 
@@ -75,14 +76,14 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measu
         held += max(measured - room_bytes, measured - plan.predicted_peak_bytes, 1)
         log.warning("plan measured %.4f GiB, above the room of %.4f GiB (predicted %.4f GiB): solving again with "
                     "%.1f MiB held (%d of %d)", measured / GIB, room_bytes / GIB, plan.predicted_peak_bytes / GIB,
-                    held / 2**20, attempt + 1, MAX_MEASURED_RESOLVES)
+                    held / MIB, attempt + 1, MAX_MEASURED_RESOLVES)
         plan = resolve(held, 0)
         module, measured = check(plan)
         plan = dataclasses.replace(plan, measured_peak_bytes=measured)
     if measured > room_bytes:
         raise InfeasibleBudgetError(plan.budget_bytes, plan.budget_bytes + measured - room_bytes,
                                     note=f"the plan's measured step peaked at {measured / GIB:.4f} GiB, "
-                                         f"{(measured - room_bytes) / 2**20:.1f} MiB above the room")
+                                         f"{(measured - room_bytes) / MIB:.1f} MiB above the room")
     wasted = plan.predicted_peak_bytes - measured
     if wasted > margin_bytes and plan.segments and held == 0:
         try:

@@ -28,6 +28,7 @@ from planner.core.costgraph import CostGraph, Storage
 from planner.core.errors import InfeasibleBudgetError
 from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.core.units import MIB
 
 __all__ = ["plan_modules", "MAX_TIGHTENINGS"]
 
@@ -87,7 +88,7 @@ def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: Pla
         over = max(measured - plan.predicted_peak_bytes, measured - room_bytes, 1)
         log.warning("module plan measured %.4f GiB, above the %.4f GiB budget (predicted %.4f GiB): solving "
                     "again with %.1f MiB more held (%d of %d)", measured / GIB, budget_bytes / GIB,
-                    plan.predicted_peak_bytes / GIB, over / 2**20, attempt + 1, MAX_TIGHTENINGS)
+                    plan.predicted_peak_bytes / GIB, over / MIB, attempt + 1, MAX_TIGHTENINGS)
         solved_on = _holding(solved_on, over)
     return _smallest_fitting(model, inputs, graph, options, None, budget_bytes, step)
 

@@ -103,9 +103,7 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         graph = hold_parameter_grads(graph)
     graph = protect_reads_before_writes(graph)
     try:
-        plan = solve(graph, planning_bytes, max_stages=options.max_stages, solver=options.solver,
-                     time_limit_s=options.time_limit_s, selective=options.selective, exact=options.exact,
-                     max_solve_s=options.max_solve_s)
+        plan = solve(graph, planning_bytes, options.solve_options())
     except InfeasibleBudgetError as exc:
         unoptimized = exc.unoptimized_peak_bytes
         if unoptimized is None:
@@ -164,23 +162,23 @@ def optimize(
     budget_gb: float | None = None,
     *,
     budget_fraction: float | None = None,
-    reserve_gb: float = 0.0,
-    trace_method: str = "export",
-    max_stages: int = 32,
-    solver: str | None = None,
-    time_limit_s: float = 60.0,
-    timing_repeats: int = 2,
-    safety_margin: float = 0.01,
-    selective: bool = False,
-    world_size: int = 1,
-    cache_dir: str | None = None,
-    progress: bool = False,
-    exact: bool | None = None,
-    max_solve_s: float | None = None,
-    simplify_attention_masks: bool = False,
-    chunk_loss: bool = False,
-    loss_fn: Callable[[Any], Any] | None = None,
-    output_held: bool = False,
+    reserve_gb: float = PlanOptions.reserve_gb,
+    trace_method: str = CaptureOptions.trace_method,
+    max_stages: int = PlanOptions.max_stages,
+    solver: str | None = PlanOptions.solver,
+    time_limit_s: float = PlanOptions.time_limit_s,
+    timing_repeats: int = CaptureOptions.timing_repeats,
+    safety_margin: float = PlanOptions.safety_margin,
+    selective: bool = PlanOptions.selective,
+    world_size: int = PlanOptions.world_size,
+    cache_dir: str | None = CaptureOptions.cache_dir,
+    progress: bool = CaptureOptions.progress,
+    exact: bool | None = PlanOptions.exact,
+    max_solve_s: float | None = PlanOptions.max_solve_s,
+    simplify_attention_masks: bool = CaptureOptions.simplify_attention_masks,
+    chunk_loss: bool = CaptureOptions.chunk_loss,
+    loss_fn: Callable[[Any], Any] | None = CaptureOptions.loss_fn,
+    output_held: bool = CaptureOptions.output_held,
     share_plan: bool = True,
     compile: bool | str = False,
 ) -> Any:

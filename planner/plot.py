@@ -12,10 +12,10 @@ from pathlib import Path
 
 from planner.core.errors import PlannerError
 from planner.report import Report
+from planner.core.units import MIB
 
 __all__ = ["plot_report", "distinct_mib_labels"]
 
-MIB = 2**20
 
 
 def _progress(timeline: tuple[tuple[str, str, int], ...]) -> tuple[list[float], list[float], float]:

@@ -32,6 +32,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan, describe_capture, describe_segments, format_ms, rerun_nodes
 from planner.core.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
+from planner.core.units import MIB
 
 if TYPE_CHECKING:  # pragma: no cover
     from planner.bounds.reach import RecomputeBound
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Report", "build_report", "render", "REPORT_FORMATS"]
 
 REPORT_FORMATS = ("text", "markdown", "json", "csv")
-MIB = 2**20
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,15 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from planner.core.costgraph import CostGraph
 from planner.core.errors import InfeasibleBudgetError
+from planner.core.options import PlanOptions, with_overrides
 from planner.core.plan import Plan
 from planner.core.simulate import simulate
 from planner.solvers.solve import minimum_peak_plan, solve
+from planner.core.units import MIB
 
 __all__ = ["sweep", "pareto_front", "SWEEP_MAX_SOLVE_S", "SWEEP_TIME_LIMIT_S"]
 
@@ -41,13 +44,10 @@ SWEEP_TIME_LIMIT_S = 10.0
 def sweep(
     graph: CostGraph,
     budgets_bytes: Sequence[int] | None = None,
+    options: PlanOptions | None = None,
     *,
     points: int = 8,
-    max_stages: int = 32,
-    solver: str | None = None,
-    time_limit_s: float = 60.0,
-    safety_margin: float = 0.01,
-    max_solve_s: float | None = None,
+    **overrides: Any,
 ) -> list[Plan]:
     """One plan per budget, smallest budget first; infeasible budgets are skipped.
 
@@ -56,36 +56,36 @@ def sweep(
     costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
     used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
     ``safety_margin`` below its budget (allocator rounding the profile does not see).
-    ``max_solve_s`` bounds each budget's solve (:func:`planner.solvers.solve.solve`; default
+    ``options`` (:class:`planner.core.options.PlanOptions`, or its fields by name in
+    ``overrides``) are each solve's; ``max_solve_s`` bounds each budget's solve (:func:`planner.solvers.solve.solve`; default
     :data:`SWEEP_MAX_SOLVE_S`), and each ILP runs for at most :data:`SWEEP_TIME_LIMIT_S`.
     """
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin}")
-    time_limit_s = min(time_limit_s, SWEEP_TIME_LIMIT_S)
-    max_solve_s = SWEEP_MAX_SOLVE_S if max_solve_s is None else max_solve_s
+    options = with_overrides(options if options is not None else PlanOptions(), overrides)
+    safety_margin = options.safety_margin
+    options = dataclasses.replace(
+        options, time_limit_s=min(options.time_limit_s, SWEEP_TIME_LIMIT_S),
+        max_solve_s=SWEEP_MAX_SOLVE_S if options.max_solve_s is None else options.max_solve_s)
     if budgets_bytes is None:
         if points < 2:
             raise ValueError("points must be at least 2")
         # the margin sits below each budget: the ends are the smallest feasible and the
         # unoptimized peaks plus their margin (and a few bytes for rounding)
-        low = math.ceil(minimum_peak_plan(graph, max_stages=max_stages, solver=solver,
-                                          time_limit_s=time_limit_s).predicted_peak_bytes / (1 - safety_margin)) + 2
+        low = math.ceil(minimum_peak_plan(graph, options.solve_options()).predicted_peak_bytes / (1 - safety_margin)) + 2
         high = math.ceil(simulate(graph).peak_bytes / (1 - safety_margin)) + 2
         if low >= high:
             log.warning("sweep: no plan peaks below the unoptimized %.1f MiB (nothing in this graph can be "
-                        "recomputed for less memory): one budget", high / 2**20)
+                        "recomputed for less memory): one budget", high / MIB)
         budgets_bytes = sorted({round(low + (high - low) * i / (points - 1)) for i in range(points)})
     plans: list[Plan] = []
     for n, budget in enumerate(sorted(budgets_bytes), start=1):
         try:
-            plan = solve(graph, int(budget * (1 - safety_margin)), max_stages=max_stages, solver=solver,
-                         time_limit_s=time_limit_s, max_solve_s=max_solve_s)
+            plan = solve(graph, int(budget * (1 - safety_margin)), options.solve_options())
             plan = dataclasses.replace(plan, budget_bytes=int(budget))
             if plans and plans[-1].recompute_ms < plan.recompute_ms:
                 plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))
             plans.append(plan)
         except InfeasibleBudgetError:
-            log.warning("sweep: no plan fits %.1f MiB; that budget is left out", budget / 2**20)
+            log.warning("sweep: no plan fits %.1f MiB; that budget is left out", budget / MIB)
         log.info("sweep: %d/%d budgets solved", n, len(budgets_bytes))
     return plans
 

@@ -22,6 +22,7 @@ from planner.core.simulate import peak_by_kind, simulate
 from profiling.profile import profile_graph
 from profiling.trace import trace_module
 from profiling.validate import check_model_and_inputs
+from planner.core.units import MIB
 
 __all__ = ["predicted_peak_bytes", "assert_peak_memory"]
 
@@ -37,7 +38,7 @@ def predicted_peak_bytes(model: Any, example_inputs: Any) -> tuple[int, dict[str
 
 
 def _mib(size_bytes: int) -> str:
-    return f"{size_bytes / 2**20:.1f} MiB"
+    return f"{size_bytes / MIB:.1f} MiB"
 
 
 def assert_peak_memory(model: Any, example_inputs: Any, max_gb: float, *, top: int = 5) -> int:

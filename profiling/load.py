@@ -36,6 +36,7 @@ import torch.fx
 
 from planner.core.errors import PlannerError
 from profiling.measure import StepInputs
+from planner.core.units import GIB
 
 __all__ = ["LoadedModel", "load_model", "tensors_from_specs", "parse_input_spec"]
 
@@ -315,8 +316,8 @@ def _check_fits_in_memory(tensors: list[tuple[tuple[int, ...], torch.dtype]], wh
         return
     if total > memory * _INPUT_MEMORY_SHARE:
         raise PlannerError(
-            f"{what} take {total / 2**30:.4g} GiB, more than {_INPUT_MEMORY_SHARE:.0%} of this machine's "
-            f"{memory / 2**30:.4g} GiB: profiling runs a step on them; use a smaller batch (--target plans "
+            f"{what} take {total / GIB:.4g} GiB, more than {_INPUT_MEMORY_SHARE:.0%} of this machine's "
+            f"{memory / GIB:.4g} GiB: profiling runs a step on them; use a smaller batch (--target plans "
             f"another device, but still builds the inputs here)"
         )
 

@@ -30,6 +30,7 @@ from rewrite.segments import apply_plan, fresh_copy
 from rewrite.signature import (ForwardWithTheModelsSignature, autocast_state, describe_inputs, input_signature,
                                signature_of)
 from rewrite.units import barrier_nodes, fsdp_unit_paths, insert_unit_hooks, unit_of_nodes
+from planner.core.units import format_bytes
 
 __all__ = ["CheckpointedModule", "PlannedVariant", "ReplanFunction", "FSDP_UNITS_IN_FLIGHT"]
 
@@ -65,11 +66,6 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
         total += p.numel() * p.element_size()  # a DTensor reports its global shape
     return total
 
-
-def _format_bytes(size_bytes: int) -> str:
-    if size_bytes >= 2**30:
-        return f"{size_bytes / 2**30:.3f} GiB"
-    return f"{size_bytes / 2**20:.1f} MiB"
 
 
 def _distributed_world_size() -> int:
@@ -270,7 +266,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
             plan = solve(variant.cost_graph, grads_held=key[3], keep=barrier_nodes(gm.graph, units),
                          extra_bytes=in_flight if sharded else 0)
             log.info("re-planned for %d FSDP units: no segment spans two units%s; %d segments", len(units),
-                     f", {_format_bytes(in_flight)} for the units in flight" if sharded else "", len(plan.segments))
+                     f", {format_bytes(in_flight)} for the units in flight" if sharded else "", len(plan.segments))
         insert_unit_hooks(gm, self.original, units)
         unit_variant = PlannedVariant(apply_plan(gm, plan), plan, variant.cost_graph)
         self._unit_variants[(key, units)] = unit_variant
@@ -311,7 +307,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
                 f"backward through DDP/FSDP hooks on one rank. Plan every batch shape before wrapping the "
                 f"module (opt.plan_for(*batch) for each), or keep the batch shape fixed (drop_last=True)"
             )
-        log.info("re-planning for the same budget (%s): %s", _format_bytes(self.plan.budget_bytes), reason)
+        log.info("re-planning for the same budget (%s): %s", format_bytes(self.plan.budget_bytes), reason)
         same_graph = [v for k, v in self._variants.items() if k[:3] == key[:3]]
         solve = getattr(self.replan, "solve", None)
         if profile is not None and same_graph and solve is not None:
@@ -339,7 +335,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
                 grad_bytes = sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad)
                 if fits(variant.plan, grad_bytes):
                     log.info("gradients held (accumulation): the unoptimized step with %s of gradients held still "
-                             "fits the budget; nothing to recompute", _format_bytes(grad_bytes))
+                             "fits the budget; nothing to recompute", format_bytes(grad_bytes))
                     return variant
         return None
 

@@ -29,12 +29,10 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from planner.core.units import format_bytes
 
 __all__ = ["HeldOutputCheck"]
 
-
-def _format_bytes(size_bytes: int) -> str:
-    return f"{size_bytes / 2**30:.3f} GiB" if size_bytes >= 2**30 else f"{size_bytes / 2**20:.1f} MiB"
 
 
 class HeldOutputCheck:
@@ -67,7 +65,7 @@ class HeldOutputCheck:
             size_bytes = held.untyped_storage().nbytes()
             warnings.warn(
                 f"the training loop holds the module's output through the backward (a {tuple(held.shape)} tensor, "
-                f"{_format_bytes(size_bytes)} the plan counted as freed once the loss was taken): the peak can pass "
+                f"{format_bytes(size_bytes)} the plan counted as freed once the loss was taken): the peak can pass "
                 f"the budget by that much; drop the output before backward(), or plan with output_held=True",
                 stacklevel=2)
 

@@ -32,7 +32,7 @@ def objective(model, chosen, keeps=()):
 
 def ilp_optimum(model, budget_mib):
     """The ILP solved without a node limit (within :data:`planner.solvers.solve.MIP_GAP`), or None."""
-    result = milp._solve_ilp(model, budget_mib, None, 60.0)
+    result = milp.solve_ilp(model, budget_mib, None, 60.0)
     return None if result is None else result.chosen
 
 
@@ -194,7 +194,7 @@ def assert_same_selective_optimum(model, budget_mib):
     """As :func:`assert_same_optimum`, for a model with keep options: the DP's segments and
     keep options against the ILP's."""
     by_dp = cheapest_plan(model, budget_mib)
-    by_ilp = milp._solve_ilp(model, budget_mib, None, 60.0)
+    by_ilp = milp.solve_ilp(model, budget_mib, None, 60.0)
     assert (by_dp is None) == (by_ilp is None)
     if by_dp is None:
         return

@@ -62,7 +62,7 @@ def test_a_stuck_solve_is_abandoned_and_the_model_solved_by_cbc(monkeypatch, cap
     prob = _knapsack()
     started = time.perf_counter()
     try:
-        used = solve_module._run_solver(prob, "HiGHS", 0.4)
+        used = solve_module.run_solver(prob, "HiGHS", 0.4)
         elapsed_s = time.perf_counter() - started
         # waited 0.4 * 1.25 + OVERRUN_S, then CBC solved the same model to its optimum
         assert used == "CBC" and len(stuck_calls) == 1
@@ -72,9 +72,9 @@ def test_a_stuck_solve_is_abandoned_and_the_model_solved_by_cbc(monkeypatch, cap
         assert "was abandoned" in caplog.text and "retrying with CBC" in caplog.text
         # HiGHS is off for the rest of the process: its thread scheduler is held by the stuck solve
         assert solve_module.available_solvers() == ["CBC"]
-        assert solve_module._choose_solver("HiGHS") == "CBC"
+        assert solve_module.choose_solver("HiGHS") == "CBC"
         again = _knapsack()
-        assert solve_module._run_solver(again, solve_module._choose_solver(None), 5) == "CBC"
+        assert solve_module.run_solver(again, solve_module.choose_solver(None), 5) == "CBC"
         assert len(stuck_calls) == 1
     finally:
         release.set()

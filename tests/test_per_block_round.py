@@ -14,7 +14,7 @@ from planner import simulate, solve
 from planner.solvers.hand_policies import hand_placed_plans
 from profiling.cache import load_profile
 
-solve_module = importlib.import_module("planner.solvers.solve")
+short_start = importlib.import_module("planner.solvers.starts.short_segments")
 PROFILE = Path(__file__).parent / "data" / "gpt2_4layer_profile.json"
 
 
@@ -56,7 +56,7 @@ def test_the_per_block_start_rounds_on_more_than_a_quarter_of_the_compute_nodes(
 
 
 def test_the_round_keeps_to_its_candidate_limit(gpt2, caplog, monkeypatch):
-    monkeypatch.setattr(solve_module, "PER_BLOCK_ROUND_MAX_CANDIDATES", 10)
+    monkeypatch.setattr(short_start, "PER_BLOCK_ROUND_MAX_CANDIDATES", 10)
     with caplog.at_level(logging.INFO, logger="planner.solvers.solve"):
         solve(gpt2, _budget(gpt2, "every layer"))
     messages = _round_after_per_block_start([r.getMessage() for r in caplog.records])
@@ -67,7 +67,7 @@ def test_the_round_keeps_to_its_candidate_limit(gpt2, caplog, monkeypatch):
 def test_the_round_never_makes_the_plan_dearer(gpt2, policy, monkeypatch):
     budget = _budget(gpt2, policy)
     with_round = solve(gpt2, budget)
-    monkeypatch.setattr(solve_module, "PER_BLOCK_ROUND_MAX_CANDIDATES", 0)
+    monkeypatch.setattr(short_start, "PER_BLOCK_ROUND_MAX_CANDIDATES", 0)
     without = solve(gpt2, budget)
     assert with_round.predicted_peak_bytes <= budget
     assert with_round.recompute_ms <= without.recompute_ms + 1e-9

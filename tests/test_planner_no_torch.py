@@ -348,7 +348,7 @@ def test_ilp_keeps_matmul_outputs_inside_its_segments():
     from planner.solvers.keep import keepable_in_segment
     from planner.core.stages import build_stages
 
-    solve_module = importlib.import_module("planner.solvers.solve")  # planner.solvers.solve is also a function's name
+    stage_plans = importlib.import_module("planner.solvers.stage_plans")
     g = _matmul_blocks(6)
     unoptimized = simulate(g).peak_bytes
     stages = build_stages(g, 3)
@@ -356,8 +356,8 @@ def test_ilp_keeps_matmul_outputs_inside_its_segments():
     for selective in (False, True):
         model = build_stage_model(g, stages, max_segment_stages=len(stages), selective=selective)
         assert any(model.keep_options) == selective
-        plan = solve_module._tightened(g, model, int(unoptimized * 0.7), unoptimized, None, 30.0, 8,
-                                       time.perf_counter())
+        plan = stage_plans.tightened_plan(g, model, int(unoptimized * 0.7), unoptimized, None, 30.0, 8,
+                                          time.perf_counter())
         assert plan is not None
         assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= int(unoptimized * 0.7)
         for seg in plan.segments:
@@ -414,10 +414,11 @@ def test_selective_solve_falls_back_to_the_segments_only_plan_where_its_own_ilp_
     import dataclasses
     import importlib
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    first_model = importlib.import_module("planner.solvers.starts.first_model")
+    cost_search = importlib.import_module("planner.solvers.starts.cost_search")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
-    real_tightened, real_floor = solve_module._tightened, solve_module.minimum_peak_plan
+    real_tightened, real_floor = first_model.tightened_plan, cost_search.minimum_peak_plan
 
     def selective_misses(graph, model, *args, **kwargs):
         return None if any(model.keep_options) else real_tightened(graph, model, *args, **kwargs)
@@ -426,8 +427,8 @@ def test_selective_solve_falls_back_to_the_segments_only_plan_where_its_own_ilp_
         plan = real_floor(*args, **kwargs)
         return dataclasses.replace(plan, predicted_peak_bytes=budget + 1)
 
-    monkeypatch.setattr(solve_module, "_tightened", selective_misses)
-    monkeypatch.setattr(solve_module, "minimum_peak_plan", floor_over_budget)
+    monkeypatch.setattr(first_model, "tightened_plan", selective_misses)
+    monkeypatch.setattr(cost_search, "minimum_peak_plan", floor_over_budget)
     plain = solve(g, budget, exact=False)
     selective = solve(g, budget, selective=True, exact=False)
     assert simulate(g, selective.segments).peak_bytes <= budget
@@ -441,10 +442,10 @@ def test_selective_solve_never_costs_more_than_the_segments_only_plan(monkeypatc
     plan for a fifth less memory than asked, dearer than needed."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    first_model = importlib.import_module("planner.solvers.starts.first_model")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
-    real_tightened = solve_module._tightened
+    real_tightened = first_model.tightened_plan
 
     def selective_overshoots(graph, model, budget_bytes, *args, **kwargs):
         if any(model.keep_options):
@@ -452,9 +453,9 @@ def test_selective_solve_never_costs_more_than_the_segments_only_plan(monkeypatc
         return real_tightened(graph, model, budget_bytes, *args, **kwargs)
 
     plain = solve(g, budget, exact=False)
-    monkeypatch.setattr(solve_module, "_tightened", selective_overshoots)
-    overshooting = solve_module._tightened(g, build_stage_model(
-        g, solve_module.build_stages(g, 32), max_segment_stages=32, selective=True), budget,
+    monkeypatch.setattr(first_model, "tightened_plan", selective_overshoots)
+    overshooting = first_model.tightened_plan(g, build_stage_model(
+        g, first_model.build_stages(g, 32), max_segment_stages=32, selective=True), budget,
         simulate(g).peak_bytes, None, 60.0, 8, 0.0)
     assert overshooting is not None and overshooting.recompute_ms > plain.recompute_ms  # the forced miss is real
     selective = solve(g, budget, selective=True, exact=False)
@@ -469,7 +470,7 @@ def test_the_smallest_peak_plan_starts_the_keep_search_only_near_the_smallest_pe
     import importlib
 
     keep_round = importlib.import_module("planner.solvers.keep_round")
-    solve_module = importlib.import_module("planner.solvers.solve")
+    solve_starts = [importlib.import_module(f"planner.solvers.starts.{name}") for name in ("exact_search", "cost_search")]
     g = _matmul_blocks(6)
     lowest = keep_round.minimum_peak_plan(g)
     real_floor, real_keep = keep_round.minimum_peak_plan, keep_round.keep_outputs
@@ -484,7 +485,7 @@ def test_the_smallest_peak_plan_starts_the_keep_search_only_near_the_smallest_pe
         keep_starts.append(tuple(s.node_names for s in segments))
         return real_keep(graph, segments, *args, **kwargs)
 
-    for module in (keep_round, solve_module):  # the solve runs it where nothing fits near the peak
+    for module in (keep_round, *solve_starts):  # the solve runs it where nothing fits near the peak
         monkeypatch.setattr(module, "minimum_peak_plan", floor_spy)
     monkeypatch.setattr(keep_round, "keep_outputs", keep_spy)
     far = int(lowest.predicted_peak_bytes * keep_round.KEEP_FROM_SMALLEST_PEAK_WITHIN) + MIB
@@ -529,10 +530,11 @@ def test_the_short_segment_starts_plan_a_budget_the_first_stages_miss(monkeypatc
     a cheaper one."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    first_model = importlib.import_module("planner.solvers.starts.first_model")
+    exact_search = importlib.import_module("planner.solvers.starts.exact_search")
     g = _matmul_blocks(6)
     budget = int(simulate(g).peak_bytes * 0.7)
-    real_tightened, real_search = solve_module._tightened, solve_module._cheapest_by_optimistic_account
+    real_tightened, real_search = first_model.tightened_plan, exact_search.cheapest_by_optimistic_account
     incumbents: list[float | None] = []
 
     def first_misses(graph, model, *args, **kwargs):
@@ -549,14 +551,14 @@ def test_the_short_segment_starts_plan_a_budget_the_first_stages_miss(monkeypatc
             return plan
         return real_loosened(graph, model, plan, *args)
 
-    real_loosened = solve_module._loosened
-    monkeypatch.setattr(solve_module, "_loosened", first_misses_raised_too)
-    monkeypatch.setattr(solve_module, "_tightened", first_misses)
-    monkeypatch.setattr(solve_module, "_cheapest_by_optimistic_account", search_spy)
+    real_loosened = first_model.loosened_plan
+    monkeypatch.setattr(first_model, "loosened_plan", first_misses_raised_too)
+    monkeypatch.setattr(first_model, "tightened_plan", first_misses)
+    monkeypatch.setattr(exact_search, "cheapest_by_optimistic_account", search_spy)
     plan = solve(g, budget, max_stages=8, exact=True)
     assert "short segments" in plan.solver
     assert simulate(g, plan.segments).peak_bytes == plan.predicted_peak_bytes <= budget
-    finest, _ = solve_module._short_segments_plan(g, 18, 568, budget, simulate(g).peak_bytes, None, 60.0, 8, 0.0,
+    finest, _ = importlib.import_module("planner.solvers.stage_plans").short_segments_plan(g, 18, 568, budget, simulate(g).peak_bytes, None, 60.0, 8, 0.0,
                                                   by_chain_dp=True)
     assert finest is not None and plan.recompute_ms <= finest.recompute_ms + 1e-9
     assert incumbents and incumbents[0] is not None and incumbents[0] <= finest.recompute_ms + 1e-9
@@ -569,17 +571,17 @@ def test_the_exact_search_only_looks_below_the_cheapest_plan_in_hand(monkeypatch
     its smallest peak this cut the search from 11 to 4 s)."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    exact_search = importlib.import_module("planner.solvers.starts.exact_search")
     g = _matmul_blocks(4)
     budget = int(simulate(g).peak_bytes * 0.7)
-    real_search = solve_module._cheapest_by_optimistic_account
+    real_search = exact_search.cheapest_by_optimistic_account
     calls: list[tuple[float | None, float | None]] = []
 
-    def search_spy(graph, model, plan, *args, **kwargs):
+    def search_spy(ctx, plan, *args, **kwargs):
         calls.append((None if plan is None else plan.recompute_ms, kwargs.get("incumbent_ms")))
-        return real_search(graph, model, plan, *args, **kwargs)
+        return real_search(ctx, plan, *args, **kwargs)
 
-    monkeypatch.setattr(solve_module, "_cheapest_by_optimistic_account", search_spy)
+    monkeypatch.setattr(exact_search, "cheapest_by_optimistic_account", search_spy)
     plan = solve(g, budget, max_stages=4, exact=True)
     assert len(calls) == 1
     first_ms, incumbent_ms = calls[0]
@@ -596,14 +598,14 @@ def test_search_cheapest_cuts_off_at_the_incumbent():
 
     from planner.solvers.relaxation import search_cheapest
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    stage_ilp = importlib.import_module("planner.solvers.stage_ilp")
     g = chain([1, 4, 2, 4, 1, 3], [1.0, 3.0, 1.0, 2.0, 1.0, 2.0])
     stages = build_stages(g)
     budget = int(simulate(g).peak_bytes * 0.8)
 
     def run(prob):
-        name = solve_module.available_solvers()[0]
-        return solve_module._run_solver(prob, name, 60.0)
+        name = stage_ilp.available_solvers()[0]
+        return stage_ilp.run_solver(prob, name, 60.0)
 
     free = search_cheapest(g, stages, budget, float("inf"), run)
     assert free.runs and free.proven and free.candidates >= 1
@@ -617,11 +619,11 @@ def test_search_cheapest_cuts_off_at_the_incumbent():
 def test_a_target_raised_above_the_budget_finds_plans_that_fit_it():
     """The stage model's account is conservative, so the chain DP's plan at a target above the
     budget can still fit the budget in the simulator and cost less than its plan at the budget
-    (or exist where it has none). ``_loosened`` keeps only plans whose replay fits, never a
+    (or exist where it has none). ``loosened_plan`` keeps only plans whose replay fits, never a
     dearer one, and ``solve`` is never dearer than the raised plan of its first model."""
     import importlib
 
-    solve_module = importlib.import_module("planner.solvers.solve")
+    stage_plans = importlib.import_module("planner.solvers.stage_plans")
     cheaper = 0
     for seed in range(6, 18):
         g = random_dag(seed, 12)
@@ -630,9 +632,9 @@ def test_a_target_raised_above_the_budget_finds_plans_that_fit_it():
         model = build_stage_model(g, stages, max_segment_stages=len(stages))
         for fraction in (0.8, 0.9):
             budget = int(unoptimized * fraction)
-            at_budget = solve_module._tightened(g, model, budget, unoptimized, None, 60.0, 8, 0.0,
-                                                by_chain_dp=True, loosen=False)
-            raised = solve_module._loosened(g, model, at_budget, budget, unoptimized, 0.0)
+            at_budget = stage_plans.tightened_plan(g, model, budget, unoptimized, None, 60.0, 8, 0.0,
+                                                   by_chain_dp=True, loosen=False)
+            raised = stage_plans.loosened_plan(g, model, at_budget, budget, unoptimized, 0.0)
             if raised is None:
                 assert at_budget is None
                 continue

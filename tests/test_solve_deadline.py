@@ -12,9 +12,13 @@ import pytest
 from planner import InputError, simulate, solve
 from planner.solvers.deadline import MIN_PHASE_S, SolveDeadline
 from planner.pipeline import PlanOptions, plan_for_budget
+from planner.core.options import SolveOptions
 from planner.sweep import sweep
 
 solve_module = importlib.import_module("planner.solvers.solve")
+finer_start = importlib.import_module("planner.solvers.starts.finer_rounds")
+short_start = importlib.import_module("planner.solvers.starts.short_segments")
+exact_search = importlib.import_module("planner.solvers.starts.exact_search")
 
 PROFILE = Path(__file__).parent / "data" / "gpt2_4layer_profile.json"
 
@@ -65,10 +69,10 @@ def test_each_phase_gets_at_most_what_is_left(gpt2_graph, monkeypatch):
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(solve_module, "_on_finer_stages",
-                        recorded("finer", solve_module._on_finer_stages, None))
-    monkeypatch.setattr(solve_module, "_short_segments_plan",
-                        recorded("short", solve_module._short_segments_plan, 6))
+    finer = recorded("finer", finer_start.on_finer_stages, None)
+    monkeypatch.setattr(finer_start, "on_finer_stages", finer)
+    monkeypatch.setattr(short_start, "on_finer_stages", finer)
+    monkeypatch.setattr(short_start, "short_segments_plan", recorded("short", short_start.short_segments_plan, 6))
     started[0] = time.perf_counter()
     plan = solve(g, budget, max_stages=4, max_solve_s=max_solve_s)
     assert calls, "no phase ran"
@@ -106,9 +110,9 @@ def test_the_bound_reaches_the_solve_from_plan_for_budget_and_sweep(gpt2_graph, 
     seen: list[float | None] = []
     real = solve_module.solve
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("max_solve_s"))
-        return real(*args, **kwargs)
+    def spy(graph, budget_bytes, options=None, **kwargs):
+        seen.append(options.max_solve_s)
+        return real(graph, budget_bytes, options, **kwargs)
 
     monkeypatch.setattr("planner.pipeline.solve", spy)
     monkeypatch.setattr("planner.sweep.solve", spy)
@@ -137,16 +141,16 @@ def test_the_default_exact_search_with_a_plan_in_hand_is_capped(monkeypatch):
 
     g = mlp_blocks(4)
     limits: list[float] = []
-    search = solve_module.search_cheapest
+    search = exact_search.search_cheapest
 
     def recording(*args, time_limit_s, **kwargs):
         limits.append(time_limit_s)
         return search(*args, time_limit_s=time_limit_s, **kwargs)
 
-    monkeypatch.setattr(solve_module, "search_cheapest", recording)
+    monkeypatch.setattr(exact_search, "search_cheapest", recording)
     budget = int(simulate(g).peak_bytes * 0.7)
     plan = solve(g, budget)
-    assert plan.segments and limits and max(limits) <= solve_module.EXACT_IMPROVE_S < solve_module.EXACT_SEARCH_S
+    assert plan.segments and limits and max(limits) <= exact_search.EXACT_IMPROVE_S < SolveOptions().exact_s
     limits.clear()
     solve(g, budget, exact=True, time_limit_s=40.0)
-    assert limits and max(limits) > solve_module.EXACT_IMPROVE_S
+    assert limits and max(limits) > exact_search.EXACT_IMPROVE_S

@@ -18,12 +18,16 @@ from hypothesis import strategies as st
 from graphs import MIB, brute_force, chain, mlp_blocks, random_dag
 from planner import InfeasibleBudgetError, InputError, SolverError, minimum_peak_plan, simulate, solve
 from planner.pipeline import PlanOptions, plan_for_budget
+from planner.core.options import SolveOptions
 from planner.solvers.relaxation import search_cheapest
 from planner.core.rerun import rerun_cost
 from planner.core.stages import build_stages
 
 # ``planner.solvers.solve`` the attribute is the function; the module is reached by its import name
 solve_module = importlib.import_module("planner.solvers.solve")
+exact_search = importlib.import_module("planner.solvers.starts.exact_search")
+stage_plans = importlib.import_module("planner.solvers.stage_plans")
+stage_ilp = importlib.import_module("planner.solvers.stage_ilp")
 milp_module = importlib.import_module("planner.solvers.stage_ilp")
 stage_plans_module = importlib.import_module("planner.solvers.stage_plans")
 smallest_peak_module = importlib.import_module("planner.solvers.smallest_peak")
@@ -176,14 +180,14 @@ def test_a_solve_stopped_with_an_incumbent_returns_it_flagged_with_its_gap(monke
     """What HiGHS reports at its time limit with a feasible incumbent (PuLP's ``sol_status``
     IntegerFeasible), forced deterministically on a real solve: the plan is kept, flagged,
     replayed within budget, and its gap is the solver's."""
-    real = solve_module._run_solver
+    real = stage_ilp.run_solver
 
     def stopped_at_limit(prob, name, time_limit_s, presolve=True, node_limit=None):
         used = real(prob, name, time_limit_s, presolve, node_limit)
         prob.sol_status = pulp.LpSolutionIntegerFeasible
         return used
 
-    monkeypatch.setattr(milp_module, "_run_solver", stopped_at_limit)
+    monkeypatch.setattr(milp_module, "run_solver", stopped_at_limit)
     g = chain([4, 8, 2, 8, 4, 8, 2, 8], param_mib=1)
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = (floor + simulate(g).peak_bytes) // 2
@@ -204,14 +208,14 @@ def test_the_first_ilp_stops_at_its_node_limit_with_its_plan_and_proven_gap(monk
     g = mlp_blocks(12)
     budget = int(simulate(g).peak_bytes * 0.4)
     options = {"finer_rounds": 0, "exact": False, "refine_s": 0, "solver": "HiGHS"}  # the first ILP's own plan
-    monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", 1)
+    monkeypatch.setattr(importlib.import_module("planner.solvers.starts.first_model"), "FIRST_ILP_NODES", 1)
     with caplog.at_level(logging.INFO, logger="planner.solvers.solve"):
         limited = solve(g, budget, **options)
     assert any("stopped at its node limit" in r.getMessage() for r in caplog.records)
     assert simulate(g, [s.node_names for s in limited.segments]).peak_bytes <= budget
     assert not limited.hit_time_limit and "time limit" not in limited.summary()
     assert limited.optimality_gap is not None and limited.optimality_gap > milp_module.MIP_GAP
-    monkeypatch.setattr(solve_module, "FIRST_ILP_NODES", None)
+    monkeypatch.setattr(importlib.import_module("planner.solvers.starts.first_model"), "FIRST_ILP_NODES", None)
     unlimited = solve(g, budget, **options)
     assert unlimited.optimality_gap is not None and unlimited.optimality_gap <= milp_module.MIP_GAP + 1e-9
     assert unlimited.recompute_ms <= limited.recompute_ms + 1e-9
@@ -223,12 +227,12 @@ def test_a_node_limit_reached_before_any_plan_does_not_end_the_first_ilp():
     first ILP goes on without the limit and proves what an unlimited solve proves."""
     g = random_dag(0, 32)
     stages = build_stages(g, 32)
-    model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
+    model = stage_plans.build_stage_model(g, stages, max_segment_stages=len(stages))
     budget_mib = simulate(g).peak_bytes * 0.85 / MIB
     with pytest.raises(SolverError, match="found no feasible plan"):
-        milp_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1)
-    assert milp_module._solve_ilp(model, budget_mib, None, 60.0, node_limit=1, node_limit_needs_plan=True) is None
-    assert milp_module._solve_ilp(model, budget_mib, None, 60.0) is None
+        milp_module.solve_ilp(model, budget_mib, None, 60.0, node_limit=1)
+    assert milp_module.solve_ilp(model, budget_mib, None, 60.0, node_limit=1, node_limit_needs_plan=True) is None
+    assert milp_module.solve_ilp(model, budget_mib, None, 60.0) is None
 
 
 def test_an_infeasible_budget_bisects_only_above_what_the_exact_search_proved(monkeypatch):
@@ -240,13 +244,13 @@ def test_an_infeasible_budget_bisects_only_above_what_the_exact_search_proved(mo
     floor = minimum_peak_plan(g).predicted_peak_bytes
     budget = floor - 3 * MIB
     searched: list[int] = []
-    real_search = solve_module.search_cheapest
+    real_search = exact_search.search_cheapest
 
     def recording_search(graph, stages, budget_bytes, *args, **kwargs):
         searched.append(budget_bytes)
         return real_search(graph, stages, budget_bytes, *args, **kwargs)
 
-    monkeypatch.setattr(solve_module, "search_cheapest", recording_search)
+    monkeypatch.setattr(exact_search, "search_cheapest", recording_search)
     monkeypatch.setattr(smallest_peak_module, "search_cheapest", recording_search)
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(g, budget, exact_s=5.0)
@@ -305,7 +309,7 @@ def test_optimistic_account_never_exceeds_the_simulator(seed, n, picks):
 
 def _highs_or_cbc(prob):
     name = solve_module.available_solvers()[0]
-    return solve_module._run_solver(prob, name, 60.0)
+    return stage_ilp.run_solver(prob, name, 60.0)
 
 
 def test_lower_bound_never_exceeds_brute_force_or_the_planner():
@@ -489,8 +493,10 @@ def without_block_starts(monkeypatch):
     """The finer rounds alone: the MLP-block graphs below repeat, so the hand-placed candidates
     and the per-block start (on the blocks their structure shows) would find the cuts the
     rounds are tested for."""
-    monkeypatch.setattr(solve_module, "hand_placed_candidate", lambda *args: None)
-    monkeypatch.setattr(solve_module, "repeated_blocks", lambda graph: [])
+    monkeypatch.setattr(importlib.import_module("planner.solvers.starts.hand_placed"), "hand_placed_candidate",
+                        lambda *args: None)
+    monkeypatch.setattr(importlib.import_module("planner.solvers.starts.short_segments"), "repeated_blocks",
+                        lambda graph: [])
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.6, 0.7, 0.8])
@@ -537,7 +543,7 @@ def test_a_second_finer_round_finds_what_the_first_cannot_express(fraction, with
     budget = int(simulate(g).peak_bytes * fraction)
     one_round = solve(g, budget, max_stages=4, exact=False, finer_rounds=1, short_segments=False)
     two_rounds = solve(g, budget, max_stages=4, exact=False, short_segments=False)
-    assert solve_module.FINER_PASS_ROUNDS == 2
+    assert SolveOptions().finer_rounds == 2
     assert two_rounds.recompute_ms < 0.8 * one_round.recompute_ms
     assert two_rounds.solver.endswith("(finer stages)")
     assert two_rounds.predicted_peak_bytes == simulate(g, two_rounds.segments).peak_bytes <= budget
@@ -580,13 +586,13 @@ def test_deeper_graphs_also_start_short_segments_from_more_stages(monkeypatch):
     from profiling.cache import load_profile
 
     g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
-    shapes = solve_module.short_segment_shapes
+    shapes = stage_plans.short_segment_shapes
     assert shapes(len(g.compute_nodes), 4) == [(32, 8), (64, 6)]
     assert shapes(127, 4) == [(32, 8)] and shapes(63, 4) == []
     budget = int(simulate(g).peak_bytes * 0.8)
     # the ILP path (a named solver): the starts as they were before the chain DP's finest one
     default = solve(g, budget, max_stages=4, exact=False, solver="HiGHS")
-    monkeypatch.setattr(solve_module, "short_segment_shapes",
+    monkeypatch.setattr(importlib.import_module("planner.solvers.starts.short_segments"), "short_segment_shapes",
                         lambda count, max_stages, finest=False: shapes(count, max_stages, finest)[:1])
     first_start_only = solve(g, budget, max_stages=4, exact=False, solver="HiGHS")
     assert default.recompute_ms < 0.9 * first_start_only.recompute_ms
@@ -606,7 +612,7 @@ def test_the_finest_start_spans_more_stages_on_smaller_graphs(monkeypatch):
     stages, spans of up to 46) at 45 % of its peak that is cheaper than spans of 10."""
     from profiling.cache import load_profile
 
-    shapes = solve_module.short_segment_shapes
+    shapes = stage_plans.short_segment_shapes
     assert shapes(222, finest=True) == [(222, 46)]
     assert shapes(755, finest=True)[-1] == (755, 13) and shapes(1042, finest=True)[-1] == (1024, 10)
     g = load_profile(Path(__file__).parent / "data" / "gpt2_4layer_profile.json")
@@ -703,9 +709,9 @@ def test_the_exact_search_runs_by_default_on_mid_sized_graphs_only_where_the_ilp
     """``exact=None``: under 64 compute nodes always; from 64 to EXACT_BY_DEFAULT_BELOW only
     where the ILP's plan leaves more than EXACT_WHEN_UNUSED of the budget unused or the ILP
     found none; never on larger graphs; ``exact`` given decides alone."""
-    decide = solve_module._cost_search_on
+    decide = exact_search.searched_by_default
     budget = 100 * MIB
-    small, mid, large = chain([1.0] * 10), chain([1.0] * 100), chain([1.0] * solve_module.EXACT_BY_DEFAULT_BELOW)
+    small, mid, large = chain([1.0] * 10), chain([1.0] * 100), chain([1.0] * exact_search.EXACT_BY_DEFAULT_BELOW)
 
     any_plan = solve(chain([1.0]), 10 * MIB)
     full = dataclasses.replace(any_plan, budget_bytes=budget, predicted_peak_bytes=int(budget * 0.995))
@@ -733,14 +739,14 @@ def test_the_default_plan_on_a_llama_profile_takes_the_room_the_ilp_left():
     from profiling.cache import load_profile
 
     g = load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json")
-    assert solve_module.ALL_CUTS_BELOW <= len(g.compute_nodes) < solve_module.EXACT_BY_DEFAULT_BELOW
+    assert exact_search.ALL_CUTS_BELOW <= len(g.compute_nodes) < exact_search.EXACT_BY_DEFAULT_BELOW
     budget = int(95_857_672 * 0.99)
     unoptimized = simulate(g).peak_bytes
     stages = build_stages(g, 32)
     model = build_stage_model(g, stages, max_segment_stages=len(stages))
-    assert solve_module._tightened(g, model, budget, unoptimized, None, 60.0, 8, 0.0, by_chain_dp=True,
+    assert stage_plans.tightened_plan(g, model, budget, unoptimized, None, 60.0, 8, 0.0, by_chain_dp=True,
                                    loosen=False) is None
-    raised = solve_module._loosened(g, model, None, budget, unoptimized, 0.0)
+    raised = stage_plans.loosened_plan(g, model, None, budget, unoptimized, 0.0)
     assert raised is not None and raised.predicted_peak_bytes == simulate(g, raised.segments).peak_bytes <= budget
     default = solve(g, budget)
     searched = solve(g, budget, exact=True)
@@ -767,14 +773,14 @@ def test_raised_targets_bisect_into_a_narrow_window_where_plans_fit(monkeypatch)
     unoptimized = simulate(g).peak_bytes
     budget = int(91_656_264 * 1.01)
     stages = build_stages(g, 32)
-    model = solve_module.build_stage_model(g, stages, max_segment_stages=len(stages))
+    model = stage_plans.build_stage_model(g, stages, max_segment_stages=len(stages))
     assert stage_plans_module._solve_chain(model, budget / MIB) is None
-    raised = solve_module._loosened(g, model, None, budget, unoptimized, 0.0)
+    raised = stage_plans.loosened_plan(g, model, None, budget, unoptimized, 0.0)
     assert raised is not None
     assert raised.predicted_peak_bytes == simulate(g, [s.node_names for s in raised.segments]).peak_bytes <= budget
     assert solve(g, budget).recompute_ms <= solve(g, int(91_656_264 * 1.005)).recompute_ms + 1e-9
     monkeypatch.setattr(stage_plans_module, "LOOSEN_BISECT_STEPS", 1)
-    assert solve_module._loosened(g, model, None, budget, unoptimized, 0.0) is None
+    assert stage_plans.loosened_plan(g, model, None, budget, unoptimized, 0.0) is None
 
 
 @pytest.mark.slow
@@ -787,13 +793,13 @@ def test_a_budget_below_the_smallest_peak_is_refused_before_the_exact_search(mon
 
     g = load_profile(Path(__file__).parent / "data" / "llama_4layer_profile.json")
     searched: list[float | None] = []
-    real_search = solve_module._cheapest_by_optimistic_account
+    real_search = exact_search.cheapest_by_optimistic_account
 
     def search_spy(*args, **kwargs):
         searched.append(kwargs.get("incumbent_ms"))
         return real_search(*args, **kwargs)
 
-    monkeypatch.setattr(solve_module, "_cheapest_by_optimistic_account", search_spy)
+    monkeypatch.setattr(exact_search, "cheapest_by_optimistic_account", search_spy)
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(g, int(91_656_264 * 0.995))
     assert info.value.min_feasible_bytes == minimum_peak_plan(g).predicted_peak_bytes == 91_656_264

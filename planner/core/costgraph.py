@@ -27,6 +27,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from planner.core.replay_facts import ReplayFacts, replay_facts
+from planner.core.units import MIB
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
@@ -35,7 +36,6 @@ __all__ = ["MIB", "Storage", "CostNode", "CostGraph", "NODE_KINDS", "shard_param
            "protect_reads_before_writes", "with_held_bytes"]
 
 #: Bytes in a mebibyte: the unit of the stage models' memory account and of log lines.
-MIB = float(2**20)
 #: ``compute`` nodes run an op; the others hold step-long tensors.
 NODE_KINDS = ("compute", "input", "param", "buffer", "constant")
 

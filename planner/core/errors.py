@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from planner.core.units import GIB
 
 __all__ = ["PlannerError", "InputError", "InfeasibleBudgetError", "TraceError", "ProfileError", "SolverError",
            "check_max_stages", "check_time_limit"]
@@ -43,11 +44,11 @@ class InfeasibleBudgetError(PlannerError):
         self.min_feasible_bytes = int(min_feasible_bytes)
         self.note = note
         self.unoptimized_peak_bytes = None if unoptimized_peak_bytes is None else int(unoptimized_peak_bytes)
-        min_feasible_gb = math.ceil(self.min_feasible_bytes / 2**30 * 1e4) / 1e4
+        min_feasible_gb = math.ceil(self.min_feasible_bytes / GIB * 1e4) / 1e4
         unoptimized = ("" if self.unoptimized_peak_bytes is None else
-                       f" (the unoptimized step peaks at {self.unoptimized_peak_bytes / 2**30:.4f} GiB)")
+                       f" (the unoptimized step peaks at {self.unoptimized_peak_bytes / GIB:.4f} GiB)")
         super().__init__(
-            f"budget {budget_bytes / 2**30:.4f} GiB ({budget_bytes} bytes) is below the smallest peak "
+            f"budget {budget_bytes / GIB:.4f} GiB ({budget_bytes} bytes) is below the smallest peak "
             f"the planner found{unoptimized}; the smallest feasible budget is {min_feasible_gb:.4f} GiB "
             f"({min_feasible_bytes} bytes): raise budget_gb to at least that, or reduce the batch size "
             f"(a larger max_stages searches finer, slower, and may find a smaller one)" + (f"; {note}" if note else "")

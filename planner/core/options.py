@@ -12,17 +12,18 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from planner.core.errors import InputError, check_max_stages, check_time_limit
+from planner.core.units import GIB
 
-__all__ = ["PlanOptions", "check_budget_gb", "check_budget_choice", "MAX_PLAUSIBLE_BUDGET_GB"]
+__all__ = ["SolveOptions", "PlanOptions", "with_overrides", "FINER_PASS_S", "FINER_PASS_ROUNDS",
+           "EXACT_SEARCH_S", "check_budget_gb", "check_budget_choice", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 #: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
 #: single accelerator holds a terabyte.
 MAX_PLAUSIBLE_BUDGET_GB = 1024.0
-
-GIB = 2**30
 
 
 def check_budget_gb(budget_gb: float, name: str = "budget_gb") -> int:
@@ -80,36 +81,104 @@ def check_budget_choice(budget_gb: float | None, budget_fraction: float | None) 
             raise InputError(f"budget_fraction must be a number in (0, 1], got {budget_fraction!r}")
 
 
-@dataclass(frozen=True)
-class PlanOptions:
-    """The planning options of :func:`planner.pipeline.optimize` (its docstring says what each
-    does), checked when made, so a bad one fails before any profiling.
+#: Seconds the finer rounds of one start may take (docs/tuning.md#finer_pass_s).
+FINER_PASS_S = 20.0
+#: Most times the stages are doubled after the first plan (docs/tuning.md#finer_pass_rounds).
+FINER_PASS_ROUNDS = 2
+#: Seconds the exact search may take when it runs by default (docs/tuning.md#exact_search_s).
+EXACT_SEARCH_S = 30.0
 
-    ``reserve_gb``: room kept outside the plan; ``safety_margin``: share of the rest kept free;
-    ``max_stages``, ``solver``, ``time_limit_s``, ``selective``, ``exact``, ``max_solve_s``: see
-    :func:`planner.solvers.solve.solve`; ``world_size``: ranks the parameters are sharded over.
+
+def _option(default: object, help: str) -> Any:
+    """A dataclass field with its default and its one-line ``help``, read by the front doors."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class SolveOptions:
+    """How :func:`planner.solvers.solve.solve` searches: each field's default and one-line help
+    are declared here once, checked when made. docs/design.md#how-the-planner-decides says what
+    each part of the search does.
+
+    Example:
+        >>> SolveOptions().finer_rounds, SolveOptions(exact=True).exact
+        (2, True)
+        >>> SolveOptions(refine_s=-1)
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: refine_s must be 0 or more seconds, got -1
     """
 
-    reserve_gb: float = 0.0
-    safety_margin: float = 0.01
-    max_stages: int = 32
-    solver: str | None = None
-    time_limit_s: float = 60.0
-    selective: bool = False
-    world_size: int = 1
-    exact: bool | None = None
-    max_solve_s: float | None = None
+    max_stages: int = _option(32, "stages of the first stage model (more: finer plans, slower solves)")
+    solver: str | None = _option(None, "solve every stage model as an ILP with this solver (HiGHS, CBC); "
+                                       "default: the chain DP")
+    time_limit_s: float = _option(60.0, "seconds each ILP may take")
+    max_attempts: int = _option(8, "times a stage model's target is lowered until its plan's replay fits")
+    selective: bool = _option(False, "also keep single outputs inside recomputed segments (selective policy)")
+    refine_s: float = _option(2.0, "seconds of local moves judged by the simulator (0: none)")
+    polish: bool = _option(False, "also run those moves on a plan the stage models found")
+    exact: bool | None = _option(None, "run the exact search (default: on small graphs, or where the budget "
+                                       "is left unused)")
+    finer_s: float = _option(FINER_PASS_S, "seconds the finer rounds of one start may take (0: none)")
+    exact_s: float = _option(EXACT_SEARCH_S, "seconds the exact search may take when it runs by default")
+    finer_rounds: int = _option(FINER_PASS_ROUNDS, "times the stages are doubled after a plan (0: none)")
+    short_segments: bool = _option(True, "start also from short segments on many stages (deep graphs)")
+    max_solve_s: float | None = _option(None, "seconds for everything after the first plan (default: no bound)")
 
     def __post_init__(self) -> None:
+        check_max_stages(self.max_stages)
+        check_time_limit(self.time_limit_s)
+        check_time_limit(self.exact_s, "exact_s")
+        if self.max_solve_s is not None:
+            check_time_limit(self.max_solve_s, "max_solve_s")
+        for name in ("refine_s", "finer_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InputError(f"{name} must be 0 or more seconds, got {value!r}")
+        for name, least in (("finer_rounds", 0), ("max_attempts", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(f"{name} must be an integer of at least {least}, got {value!r}")
+
+    def solve_options(self) -> SolveOptions:
+        """Only the fields of :class:`SolveOptions` (a :class:`PlanOptions` carries more)."""
+        return SolveOptions(**{f.name: getattr(self, f.name) for f in fields(SolveOptions)})
+
+
+def with_overrides(options: SolveOptions | None, overrides: dict[str, Any]) -> SolveOptions:
+    """``options`` (default: :class:`SolveOptions`'s defaults) with ``overrides`` by field name;
+    an unknown name is an :class:`InputError` naming the fields.
+
+    Example:
+        >>> with_overrides(None, {"max_stages": 8}).max_stages
+        8
+    """
+    base = options if options is not None else SolveOptions()
+    unknown = sorted(set(overrides) - {f.name for f in fields(base)})
+    if unknown:
+        raise InputError(f"unknown solve option(s) {', '.join(unknown)}: the fields of {type(base).__name__} are "
+                         f"{', '.join(f.name for f in fields(base))}")
+    return replace(base, **overrides) if overrides else base
+
+
+@dataclass(frozen=True)
+class PlanOptions(SolveOptions):
+    """The planning options of :func:`planner.pipeline.optimize`: how to solve
+    (:class:`SolveOptions`) and what room to keep, checked when made, so a bad one fails before
+    any profiling.
+    """
+
+    reserve_gb: float = _option(0.0, "GiB kept outside the plan (optimizer state, other tensors)")
+    safety_margin: float = _option(0.01, "share of the rest of the budget kept free")
+    world_size: int = _option(1, "ranks the parameters and their gradients are sharded over (FSDP/ZeRO-3)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.reserve_gb:
             check_budget_gb(self.reserve_gb, "reserve_gb")
         if isinstance(self.safety_margin, bool) or not isinstance(self.safety_margin, (int, float)) \
                 or not 0 <= self.safety_margin < 1:
             raise InputError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
-        check_max_stages(self.max_stages)
-        check_time_limit(self.time_limit_s)
-        if self.max_solve_s is not None:
-            check_time_limit(self.max_solve_s, "max_solve_s")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise InputError(f"world_size must be a positive integer, got {self.world_size!r}")
 

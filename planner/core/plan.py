@@ -16,13 +16,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from planner.core.units import GIB
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
 
 __all__ = ["Segment", "Plan", "describe_capture", "describe_segments", "format_ms", "rerun_nodes"]
 
-GIB = 2**30
 
 
 def format_ms(ms: float) -> str:

@@ -162,7 +162,7 @@ class _KeepCodes:
 def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS
                       ) -> list[tuple[int, int]] | None:
     """The candidate segments of ``model`` (as ``(first stage, last stage)``) that the ILP of
-    :func:`planner.solvers.stage_ilp._solve_ilp` would choose at ``budget_mib``, at its optimum: the least
+    :func:`planner.solvers.stage_ilp.solve_ilp` would choose at ``budget_mib``, at its optimum: the least
     recompute time (plus the ILP's per-segment tie-break) whose linear account fits; None when
     none fits. For a segments-only model; :func:`cheapest_plan` also chooses keep options.
 
@@ -177,7 +177,7 @@ def cheapest_segments(model: StageModel, budget_mib: float, max_labels: int = DE
 
 
 def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAULT_MAX_LABELS) -> ChainPlan | None:
-    """The segments and keep options of ``model`` that the ILP of :func:`planner.solvers.stage_ilp._solve_ilp`
+    """The segments and keep options of ``model`` that the ILP of :func:`planner.solvers.stage_ilp.solve_ilp`
     would choose at ``budget_mib``, at its optimum: the least recompute time (plus the ILP's
     per-segment tie-break, less the kept options' saved time) whose linear account fits; None
     when none fits.

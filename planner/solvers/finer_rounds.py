@@ -1,7 +1,7 @@
 """Finer rounds: a plan found on some stages, improved on about twice as many.
 
 Finer stages let a segment end right after a node that saves only its inputs (a linear: its
-matmul is never recomputed) where the coarse cuts could not. :func:`_on_finer_stages` repeats
+matmul is never recomputed) where the coarse cuts could not. :func:`on_finer_stages` repeats
 the doubling while each round finds a cheaper plan. See docs/design.md#starts-and-rounds.
 """
 
@@ -16,20 +16,16 @@ from planner.core.costgraph import CostGraph
 from planner.core.errors import SolverError
 from planner.core.plan import Plan
 from planner.solvers.stage_model import StageModel, build_stage_model
-from planner.solvers.stage_plans import FINER_PASS_NODES, _tightened
+from planner.solvers.stage_plans import FINER_PASS_NODES, tightened_plan
 from planner.core.stages import build_stages
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
-#: Seconds all finer ILPs of one start may take together, a guard (docs/tuning.md#finer_pass_s).
-FINER_PASS_S = 20.0
-#: Most times the stages are doubled after the first plan (docs/tuning.md#finer_pass_rounds).
-FINER_PASS_ROUNDS = 2
 #: Most candidate segments of a round after the first (docs/tuning.md#finer_round_max_candidates).
 FINER_ROUND_MAX_CANDIDATES = 2000
 
 
-def _on_finer_stages(
+def on_finer_stages(
     graph: CostGraph,
     plan: Plan,
     stage_count: int,
@@ -54,13 +50,13 @@ def _on_finer_stages(
     ILP would have at most :data:`FINER_ROUND_MAX_CANDIDATES` candidate segments and
     ``time_limit_s`` (for all rounds together) is not spent (on the 4-layer GPT-2 and BERT
     profiles, 222 and 128 compute nodes, a second round on about 140 stages found nothing in
-    9 to 13 s). With ``every_round_capped`` (a start from :func:`_short_segments_plan`, already
+    9 to 13 s). With ``every_round_capped`` (a start from :func:`short_segments_plan`, already
     on many stages) the first round is held to the same limits; otherwise the first round may
     have at most ``first_round_max_candidates`` candidate segments (None: no limit). Finer
     stages let a segment end right after a node that saves only its inputs (a linear: its
     matmul is never recomputed) where the coarse cuts could not; on the residual MLP at half
     its peak the predicted recompute fell from 16.6 % to 13.0 % of the step, on a 4-layer
-    GPT-2 from 21 % to 16 %. Deeper graphs gain from a second round (:data:`FINER_PASS_ROUNDS`).
+    GPT-2 from 21 % to 16 %. Deeper graphs gain from a second round (``SolveOptions.finer_rounds``, :data:`planner.core.options.FINER_PASS_ROUNDS`).
 
     The search does not start from ``plan``: HiGHS 1.16 with presolve, given ``plan`` as a MIP
     start (``Highs.setSolution``), proved the start optimal at the root on a 4-layer GPT-2 at
@@ -80,7 +76,7 @@ def _on_finer_stages(
             break  # on more stages than half the compute nodes, a further round rarely pays
 
         def solve_stages(model: StageModel, limit_s: float = left_s) -> Plan | None:
-            return _tightened(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
+            return tightened_plan(graph, model, budget_bytes, unoptimized, solver, limit_s, max_attempts, started,
                               node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp)
 
         finer, stage_count = _on_doubled_stages(graph, best, stage_count, solve_stages, selective=selective,
@@ -105,7 +101,7 @@ def _on_doubled_stages(
     selective: bool,
     max_candidates: int | None = None,
 ) -> tuple[Plan | None, int]:
-    """One round of :func:`_on_finer_stages`: the plan ``solve_stages`` finds on about
+    """One round of :func:`on_finer_stages`: the plan ``solve_stages`` finds on about
     ``2 * stage_count`` stages (None when it finds none, or when the ILP would have more than
     ``max_candidates`` candidate segments), and how many stages that was."""
     rank = {n.name: r for r, n in enumerate(graph.compute_nodes)}

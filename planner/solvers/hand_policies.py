@@ -35,7 +35,7 @@ from planner.core.simulate import fits_budget, simulate
 from planner.solvers.block_structure import structural_blocks
 from planner.solvers.interleaved_blocks import merge_interleaved
 from planner.solvers.keep import segment_with_kept
-from planner.solvers.stage_plans import _to_plan
+from planner.solvers.stage_plans import to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
            "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE",
@@ -221,7 +221,7 @@ def hand_placed_candidate(graph: CostGraph, budget_bytes: int, unoptimized: int,
         return None
     best = min(fitting, key=lambda hand: hand.recompute_ms)
     log.info("hand-placed candidate: %s, %.2f ms", best.name, best.recompute_ms)
-    return _to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
+    return to_plan(graph, list(best.segments), budget_bytes, unoptimized, simulate(graph, best.segments).peak_bytes,
                     f"{HAND_PLACED}: {best.name}", time.perf_counter() - started)
 
 
@@ -264,5 +264,5 @@ def hand_placed_within_noise(graph: CostGraph, plan: Plan, budget_bytes: int,
     log.info("hand-placed %s: %.2f ms and %d FLOPs against the search's %.2f ms and %d FLOPs, within the timing "
              "noise: the plan a person would write", best.name, best.recompute_ms,
              sum(s.recompute_flops for s in best.segments), plan.recompute_ms, flops)
-    return _to_plan(graph, list(best.segments), budget_bytes, plan.unoptimized_peak_bytes,
+    return to_plan(graph, list(best.segments), budget_bytes, plan.unoptimized_peak_bytes,
                     simulate(graph, best.segments).peak_bytes, f"{HAND_PLACED}: {best.name}", plan.solve_s)

@@ -48,6 +48,7 @@ from planner.core.plan import Segment
 from planner.core.rerun import ChainCosts, skipped_node_names
 from planner.core.simulate import simulate
 from planner.core.stages import build_stages
+from planner.core.units import MIB
 
 __all__ = ["NODE_REPLAYS_PER_S", "lower_peak", "refine_segments", "replay_budget"]
 
@@ -254,7 +255,7 @@ def lower_peak(
         if best is None:
             break
         current, current_cost, runs = best[0], best[1], sorted(best[2])
-    log.info("lowered the peak to %.1f MiB with %d replays", current[0] / 2**20, search.replays)
+    log.info("lowered the peak to %.1f MiB with %d replays", current[0] / MIB, search.replays)
     return search.segments(runs)
 
 

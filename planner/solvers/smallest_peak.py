@@ -15,15 +15,16 @@ import time
 from typing import Any
 
 from planner.core.costgraph import MIB, CostGraph
-from planner.core.errors import SolverError, check_max_stages, check_time_limit
+from planner.core.errors import SolverError, check_time_limit
+from planner.core.options import SolveOptions, with_overrides
 from planner.solvers.keep import segment_with_kept
-from planner.solvers.stage_ilp import _choose_solver, _run_solver, _solve_ilp
+from planner.solvers.stage_ilp import choose_solver, run_solver, solve_ilp
 from planner.core.plan import Plan, Segment
 from planner.solvers.refine import ALL_CUTS_BELOW, lower_peak
 from planner.solvers.relaxation import search_cheapest
 from planner.core.simulate import simulate
 from planner.solvers.stage_model import StageModel, build_stage_model
-from planner.solvers.stage_plans import _segments, _short_segments_plan, _tightened, _to_plan, short_segment_shapes
+from planner.solvers.stage_plans import stage_segments, short_segments_plan, tightened_plan, to_plan, short_segment_shapes
 from planner.core.stages import build_stages
 
 __all__ = ["minimum_peak_plan"]
@@ -42,17 +43,15 @@ DP_DESCENT_ATTEMPTS = 8
 
 def minimum_peak_plan(
     graph: CostGraph,
+    options: SolveOptions | None = None,
     *,
-    max_stages: int = 32,
-    solver: str | None = None,
-    time_limit_s: float = 60.0,
-    refine_s: float = 2.0,
-    exact: bool | None = None,
     exact_s: float | None = None,
     infeasible_bytes: int = 0,
     lower_by_dp: bool = True,
+    **overrides: Any,
 ) -> Plan:
-    """The plan with the smallest peak found, whatever it costs: the ILP's, lowered further by
+    """The plan with the smallest peak found, whatever it costs (``options`` as :func:`solve`'s,
+    or their fields by name in ``overrides``): the ILP's, lowered further by
     local moves judged by the simulator (:func:`planner.solvers.refine.lower_peak`, up to ``refine_s``)
     and, with ``exact`` (default: graphs under 64 compute nodes), by bisecting the budget with
     the search of :mod:`planner.solvers.relaxation`, which makes it the smallest over the stages (within
@@ -82,18 +81,20 @@ def minimum_peak_plan(
         >>> solve(g, lowest.predicted_peak_bytes).predicted_peak_bytes <= lowest.predicted_peak_bytes
         True
     """
-    check_time_limit(time_limit_s)
-    check_max_stages(max_stages)
+    options = with_overrides(options, overrides)
+    max_stages, solver, time_limit_s, refine_s = options.max_stages, options.solver, options.time_limit_s, \
+        options.refine_s
+    exact = options.exact
     if exact_s is not None:
         check_time_limit(exact_s, "exact_s")
     started = time.perf_counter()
     stages = build_stages(graph, max_stages)
     model = build_stage_model(graph, stages, max_segment_stages=len(stages))
     unoptimized = simulate(graph).peak_bytes
-    result = _solve_ilp(model, None, solver, time_limit_s)
+    result = solve_ilp(model, None, solver, time_limit_s)
     if result is None:  # pragma: no cover - minimising the peak is always feasible
         raise SolverError("the minimum-peak model was reported infeasible")
-    segments = _segments(graph, model, result.chosen, result.kept)
+    segments = stage_segments(graph, model, result.chosen, result.kept)
     if refine_s > 0:
         starts = [segments]
         if len(graph.compute_nodes) < ALL_CUTS_BELOW:  # small: also descend from no and from full recompute
@@ -103,16 +104,16 @@ def minimum_peak_plan(
     peak = simulate(graph, segments).peak_bytes
     if peak > unoptimized:
         segments, peak = [], unoptimized
-    if _exact_search_on(graph, exact) and segments:
+    if exact_search_on(graph, exact) and segments:
         segments, peak = _lowest_by_bisection(graph, model, segments, peak, solver,
                                               time_limit_s if exact_s is None else exact_s, infeasible_bytes)
     if lower_by_dp and solver is None and segments:
         segments, peak = _lowest_by_dp_starts(graph, model, segments, peak, unoptimized, max_stages,
                                               min(time_limit_s, DP_DESCENT_S), started)
-    return _to_plan(graph, segments, peak, unoptimized, peak, result.solver, time.perf_counter() - started, result)
+    return to_plan(graph, segments, peak, unoptimized, peak, result.solver, time.perf_counter() - started, result)
 
 
-def _exact_search_on(graph: CostGraph, exact: bool | None) -> bool:
+def exact_search_on(graph: CostGraph, exact: bool | None) -> bool:
     """``exact``, or by default whether the graph is small enough (under 64 compute nodes) for
     the exact search to be quick (0.01 to 0.05 s on random graphs of 10 to 14 nodes; on a
     50-node residual MLP 0.2 to 3 s, most near its smallest peak)."""
@@ -129,15 +130,15 @@ def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Seg
     0.1 % of the smallest peak over the stages, at the first search that neither finds nor
     proves, or after ``time_limit_s`` for all searches together: just below the smallest peak
     a search can replay its 32 candidates without either (on a 27-node graph, 2 s each)."""
-    name = _choose_solver(solver)
+    name = choose_solver(solver)
     deadline = time.perf_counter() + time_limit_s
     low = max(graph.persistent_bytes, infeasible_bytes + 1)
     while peak - low > peak // 1000 and (left_s := deadline - time.perf_counter()) > 0:
         middle = (low + peak) // 2
         found = search_cheapest(graph, model.stages, middle, math.inf,
-                                lambda prob: _run_solver(prob, name, left_s, presolve=False), time_limit_s=left_s)
+                                lambda prob: run_solver(prob, name, left_s, presolve=False), time_limit_s=left_s)
         if found.runs is not None:
-            segments = _segments(graph, model, found.runs)
+            segments = stage_segments(graph, model, found.runs)
             peak = simulate(graph, segments).peak_bytes
         elif found.proven:
             low = middle + 1
@@ -152,7 +153,7 @@ def _lowest_by_dp_starts(graph: CostGraph, model: StageModel, segments: list[Seg
     """Lower the smallest peak found (``segments``, replayed at ``peak``) with the chain DP's
     starts of :func:`solve`: the first stage model (``model``) and, on graphs of at least 16
     compute nodes per stage, the short-segment starts (:func:`short_segment_shapes` without the
-    finest), each at targets raised above the budget too (:func:`_loosened`: the models' account
+    finest), each at targets raised above the budget too (:func:`loosened_plan`: the models' account
     is conservative, so their plans can peak below the smallest peak the ILP minimises). Budgets
     :data:`DP_DESCENT_FIRST_STEP` below the lowest peak so far, the step doubling while a start
     finds a plan, then bisected between the last budget where none did and the lowest peak, to
@@ -171,7 +172,7 @@ def _lowest_by_dp_starts(graph: CostGraph, model: StageModel, segments: list[Seg
         if left_s <= 0:
             return False
         try:
-            plan = _tightened(graph, model, budget_bytes, unoptimized, None, left_s, DP_DESCENT_ATTEMPTS,
+            plan = tightened_plan(graph, model, budget_bytes, unoptimized, None, left_s, DP_DESCENT_ATTEMPTS,
                               started, by_chain_dp=True, loosen=True)
         except SolverError:  # the model was too large for the DP and its ILP found nothing in time
             plan = None
@@ -181,7 +182,7 @@ def _lowest_by_dp_starts(graph: CostGraph, model: StageModel, segments: list[Seg
             left_s = deadline - time.perf_counter()
             if left_s <= 0:
                 return False
-            plan, _ = _short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes, unoptimized,
+            plan, _ = short_segments_plan(graph, stage_count, max_segment_stages, budget_bytes, unoptimized,
                                            None, left_s, DP_DESCENT_ATTEMPTS, started, by_chain_dp=True)
             if plan is not None:
                 return plan

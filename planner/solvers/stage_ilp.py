@@ -63,7 +63,7 @@ def _cbc(time_limit_s: float) -> pulp.LpSolver:
 KNOWN_SOLVERS = {"HiGHS": "pip install highspy", "CBC": "pip install pulp (its wheels bundle CBC)"}
 
 
-def _choose_solver(name: str | None) -> str:
+def choose_solver(name: str | None) -> str:
     """The requested solver, or the best installed one when it is None or missing here.
 
     An unknown name raises; a known solver that is not installed falls back to another with a
@@ -96,7 +96,7 @@ def _solver_named(name: str, time_limit_s: float, presolve: bool = True, node_li
 
 
 @dataclass(frozen=True)
-class _IlpResult:
+class IlpResult:
     """One ILP solve: the chosen ``(first_stage, last_stage)`` runs and how the solver ended."""
 
     chosen: list[tuple[int, int]]
@@ -110,7 +110,7 @@ class _IlpResult:
     by_chain_dp: bool = False
 
 
-def _run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True,
+def run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True,
                 node_limit: int | None = None) -> str:
     """Solve ``prob`` with ``name``; when that solver fails to run, with another installed one.
     ``presolve=False`` turns HiGHS's presolve off (the exact search's models: on one of them
@@ -161,14 +161,14 @@ def _variable(prob: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVaria
     return pulp.LpVariable(name, **kwargs)
 
 
-def _solve_ilp(
+def solve_ilp(
     model: StageModel,
     budget_mib: float | None,
     solver_name: str | None,
     time_limit_s: float,
     node_limit: int | None = None,
     node_limit_needs_plan: bool = False,
-) -> _IlpResult | None:
+) -> IlpResult | None:
     """Solve once. ``budget_mib=None`` minimises the peak instead of the recompute time.
     ``node_limit``: HiGHS stops after that many branch-and-bound nodes with the best plan found.
     With ``node_limit_needs_plan``, a search the node limit stopped before any plan goes on
@@ -181,7 +181,7 @@ def _solve_ilp(
     """
     k_count = len(model.stages)
     segs = model.segments
-    name = _choose_solver(solver_name)
+    name = choose_solver(solver_name)
     prob = pulp.LpProblem("checkpoint_plan", pulp.LpMinimize)
     y = {s: _variable(prob, f"recompute_stages_{s[0]}_to_{s[1]}", cat="Binary") for s in segs}
     total_ms = sum(model.time_ms) or 1.0
@@ -299,13 +299,13 @@ def _solve_ilp(
             f"backward_stage_{j}",
         )
     solve_started = time.perf_counter()
-    name = _run_solver(prob, name, time_limit_s, node_limit=node_limit)
+    name = run_solver(prob, name, time_limit_s, node_limit=node_limit)
     if node_limit_needs_plan and prob.sol_status == pulp.LpSolutionNoSolutionFound and stopped_at_node_limit(prob):
         left_s = time_limit_s - (time.perf_counter() - solve_started)
         log.info("%s found no plan in %d branch-and-bound nodes; going on for up to %.1f s", name, node_limit,
                  left_s)
         if left_s > 0:
-            name = _run_solver(prob, name, left_s)
+            name = run_solver(prob, name, left_s)
     if prob.sol_status not in _ACCEPTED:
         if prob.sol_status == pulp.LpSolutionNoSolutionFound and prob.status != pulp.LpStatusInfeasible:
             raise SolverError(
@@ -325,4 +325,4 @@ def _solve_ilp(
                     gap_text)
     elif stopped_early:
         log.info("%s stopped at its node limit with a feasible plan; proven gap %s", name, gap_text)
-    return _IlpResult(sorted(chosen), name, gap, hit_time_limit, kept)
+    return IlpResult(sorted(chosen), name, gap, hit_time_limit, kept)

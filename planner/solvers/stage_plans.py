@@ -1,12 +1,12 @@
 """One stage model to a plan that fits: solved by the chain DP or as an ILP, replayed, tightened.
 
 Each start of :func:`planner.solvers.solve.solve` and of the smallest-peak search builds a stage model
-(:mod:`planner.solvers.stage_model`) and hands it here. :func:`_tightened` solves it (by dynamic
+(:mod:`planner.solvers.stage_model`) and hands it here. :func:`tightened_plan` solves it (by dynamic
 programming over the stage chain, :mod:`planner.solvers.chain_dp`, or as an ILP, :mod:`planner.solvers.stage_ilp`),
 replays the plan in the simulator and, when the replay is over the budget, solves again with
-the bound lowered by the excess; :func:`_loosened` also tries targets above the budget, since
+the bound lowered by the excess; :func:`loosened_plan` also tries targets above the budget, since
 the model's account is conservative. :func:`short_segment_shapes` names the starts on many
-short stages, and :func:`_short_segments_plan` solves one of them.
+short stages, and :func:`short_segments_plan` solves one of them.
 
 Example:
     >>> short_segment_shapes(300), short_segment_shapes(755)
@@ -23,7 +23,7 @@ from planner.solvers.chain_dp import ChainSearchTooLarge, cheapest_plan
 from planner.core.costgraph import MIB, CostGraph
 from planner.core.errors import SolverError
 from planner.solvers.keep import keepable_in_segment, segment_with_kept
-from planner.solvers.stage_ilp import _IlpResult, _solve_ilp
+from planner.solvers.stage_ilp import IlpResult, solve_ilp
 from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
 from planner.solvers.stage_model import StageModel, build_stage_model
@@ -57,18 +57,18 @@ FINEST_MAX_SEGMENT_STAGES = 10
 FINEST_SPAN_PAIRS = 10_240
 
 
-def _solve_chain(model: StageModel, budget_mib: float) -> _IlpResult | None:
-    """The same model as :func:`_solve_ilp` at ``budget_mib``, solved to its optimum by dynamic
+def _solve_chain(model: StageModel, budget_mib: float) -> IlpResult | None:
+    """The same model as :func:`solve_ilp` at ``budget_mib``, solved to its optimum by dynamic
     programming over the stage chain (:mod:`planner.solvers.chain_dp`), keep options included; None
     when no plan fits."""
     plan = cheapest_plan(model, budget_mib)
     if plan is None:
         return None
     kept = frozenset(name for j, o in plan.keeps for name in model.keep_options[j][o].node_names)
-    return _IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept, by_chain_dp=True)
+    return IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept, by_chain_dp=True)
 
 
-def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
+def stage_segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
               kept: frozenset[str] = frozenset()) -> list[Segment]:
     """The chosen ``(first_stage, last_stage)`` runs as Segments with their recompute cost,
     keeping the outputs of the nodes in ``kept`` that a selective policy can keep there."""
@@ -79,7 +79,7 @@ def _segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]]
     return out
 
 
-def _to_plan(
+def to_plan(
     graph: CostGraph,
     segments: list[Segment],
     budget_bytes: int,
@@ -87,7 +87,7 @@ def _to_plan(
     peak_bytes: int,
     solver: str,
     solve_s: float,
-    result: _IlpResult | None = None,
+    result: IlpResult | None = None,
 ) -> Plan:
     return Plan(
         budget_bytes=budget_bytes,
@@ -106,7 +106,7 @@ def _to_plan(
     )
 
 
-def _tightened(
+def tightened_plan(
     graph: CostGraph,
     model: StageModel,
     budget_bytes: int,
@@ -122,10 +122,10 @@ def _tightened(
 ) -> Plan | None:
     """Solve, replay in the simulator, and lower the ILP's bound by the excess until the replay
     fits. None when the ILP becomes infeasible first. ``node_limit`` and ``node_limit_needs_plan``: of each
-    solve (:func:`_solve_ilp`). ``by_chain_dp``: solve the model by dynamic
+    solve (:func:`solve_ilp`). ``by_chain_dp``: solve the model by dynamic
     programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time); one the
     DP finds too large goes to the ILP (with its node and time limits). ``loosen``: a plan the
-    DP finds at once (or none) is then passed to :func:`_loosened`."""
+    DP finds at once (or none) is then passed to :func:`loosened_plan`."""
     target_mib = budget_bytes / MIB
     chain = by_chain_dp
     for attempt in range(max_attempts):
@@ -136,7 +136,7 @@ def _tightened(
                 log.info("%s on %d stages: %s; solving the ILP instead", CHAIN_DP, len(model.stages), exc)
                 chain = False
         if not chain:
-            result = _solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
+            result = solve_ilp(model, target_mib, solver, time_limit_s, node_limit, node_limit_needs_plan)
         if result is None:
             break
         plan = _replayed(graph, model, result, budget_bytes, unoptimized, started)
@@ -145,15 +145,15 @@ def _tightened(
                  attempt, len(result.chosen), peak / MIB, budget_bytes / MIB)
         if peak <= budget_bytes:
             if chain and loosen and attempt == 0:
-                return _loosened(graph, model, plan, budget_bytes, unoptimized, started)
+                return loosened_plan(graph, model, plan, budget_bytes, unoptimized, started)
             return plan
         target_mib -= (peak - budget_bytes) / MIB + 0.5
     if chain and loosen and target_mib == budget_bytes / MIB:  # no plan at the budget itself
-        return _loosened(graph, model, None, budget_bytes, unoptimized, started)
+        return loosened_plan(graph, model, None, budget_bytes, unoptimized, started)
     return None
 
 
-def _loosened(graph: CostGraph, model: StageModel, plan: Plan | None, budget_bytes: int, unoptimized: int,
+def loosened_plan(graph: CostGraph, model: StageModel, plan: Plan | None, budget_bytes: int, unoptimized: int,
               started: float) -> Plan | None:
     """``plan`` (the chain DP's at the budget, or None when it found none), or a cheaper plan the
     DP finds at a target above the budget that still fits the budget in the simulator: the
@@ -209,18 +209,18 @@ def _fits_at(graph: CostGraph, model: StageModel, budget_bytes: int, unoptimized
     return None if result is None else _replayed(graph, model, result, budget_bytes, unoptimized, started)
 
 
-def _replayed(graph: CostGraph, model: StageModel, result: _IlpResult, budget_bytes: int, unoptimized: int,
+def _replayed(graph: CostGraph, model: StageModel, result: IlpResult, budget_bytes: int, unoptimized: int,
               started: float, solver: str | None = None) -> Plan:
     """``result``'s segments as a plan for ``budget_bytes``, its peak replayed in the simulator
     (it may exceed the budget); ``solver`` names it (``result.solver`` by default)."""
-    segments = _segments(graph, model, result.chosen, result.kept)
+    segments = stage_segments(graph, model, result.chosen, result.kept)
     peak = simulate(graph, segments).peak_bytes
-    return _to_plan(graph, segments, budget_bytes, unoptimized, peak, solver or result.solver,
+    return to_plan(graph, segments, budget_bytes, unoptimized, peak, solver or result.solver,
                     time.perf_counter() - started, result)
 
 
 def short_segment_shapes(compute_count: int, max_stages: int = 32, finest: bool = False) -> list[tuple[int, int]]:
-    """The starts of the short-segments path (:func:`_short_segments_plan`) on a graph of
+    """The starts of the short-segments path (:func:`short_segments_plan`) on a graph of
     ``compute_count`` compute nodes, as (stage count, most stages a segment may span): on graphs
     of at least 16 compute nodes per first stage, :data:`SHORT_SEGMENT_STAGES_PER_START` times
     ``max_stages`` stages with segments of at most :data:`SHORT_SEGMENT_MAX_STAGES`; on graphs
@@ -254,7 +254,7 @@ def short_segment_shapes(compute_count: int, max_stages: int = 32, finest: bool 
     return shapes
 
 
-def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages: int, budget_bytes: int,
+def short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages: int, budget_bytes: int,
                          unoptimized: int, solver: str | None, time_limit_s: float, max_attempts: int,
                          started: float, by_chain_dp: bool = False) -> tuple[Plan | None, int]:
     """The ILP's plan on about ``stage_count`` stages with no segment longer than
@@ -267,7 +267,7 @@ def _short_segments_plan(graph: CostGraph, stage_count: int, max_segment_stages:
     stages = build_stages(graph, stage_count)
     model = build_stage_model(graph, stages, max_segment_stages=max_segment_stages)
     try:
-        plan = _tightened(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
+        plan = tightened_plan(graph, model, budget_bytes, unoptimized, solver, time_limit_s, max_attempts, started,
                           node_limit=FINER_PASS_NODES, by_chain_dp=by_chain_dp, loosen=True)
     except SolverError as exc:
         log.info("short segments on %d stages: no plan (%s)", len(stages), exc)
