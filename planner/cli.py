@@ -97,7 +97,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
                    exact=args.exact or None, max_solve_s=args.max_solve_s, trace_method=args.trace_method,
                    simplify_attention_masks=args.simplify_attention_masks, chunk_loss=args.chunk_loss,
-                   output_held=args.output_held)
+                   output_held=args.output_held, compile=args.compile)
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -112,6 +112,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             "hit_time_limit": plan.hit_time_limit,
             "computation_changes": list(plan.computation_changes),
             "capture": plan.capture,
+            "compile_graph_breaks": plan.compile_graph_breaks,
+            "compile_s": plan.compile_s,
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))
     else:

@@ -173,5 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="capture the forward as a graph (export, default; falls back to modules where capture "
                            "fails) or plan over submodule calls directly (modules: coarser, for models that "
                            "cannot be captured)")
+    plan.add_argument("--compile", action="store_true",
+                      help="plan for a training step run under torch.compile (Inductor): the plan honoured inside "
+                           "one compiled graph and checked on the compiled step's measured peak (one compile per "
+                           "plan checked)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     return parser

@@ -35,6 +35,7 @@ from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_bu
 from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
+from planner.compiled_plan import compile_backend_of, plan_compiled
 from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
@@ -47,6 +48,7 @@ from profiling.progress import heartbeat
 from profiling.trace import TRACE_METHODS, trace_module
 from profiling.validate import check_model_and_inputs
 from rewrite.apply import CheckpointedModule, apply_plan
+from rewrite.compiled import COMPILE_BACKEND
 from rewrite.segments import module_copy
 
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
@@ -130,6 +132,15 @@ class CaptureOptions:
     chunk_loss: bool = False
     loss_fn: Callable[[Any], Any] | None = None
     output_held: bool = False
+    #: run the step under ``torch.compile``: True (Inductor) or a backend name; False: eagerly
+    compile: bool | str = False
+
+    @property
+    def compile_backend(self) -> str | None:
+        """The ``torch.compile`` backend the step runs under (:mod:`rewrite.compiled`); None: eagerly."""
+        if self.compile is False:
+            return None
+        return COMPILE_BACKEND if self.compile is True else str(self.compile)
 
     @property
     def step(self) -> TrainingStep:
@@ -177,6 +188,7 @@ def optimize(
     host_link: str = PlanOptions.host_link,
     host_bandwidth_gbps: float | None = PlanOptions.host_bandwidth_gbps,
     pinned_host_gb: float | None = PlanOptions.pinned_host_gb,
+    compile: bool | str = CaptureOptions.compile,
 ) -> Any:
     """Return a drop-in replacement for ``model`` whose training step fits in ``budget_gb``.
 
@@ -266,6 +278,12 @@ def optimize(
             its plan (:mod:`planner.rank_zero`), so all ranks recompute the same segments: call
             ``optimize`` on every rank. False: each rank plans on its own profile (node times
             differ between ranks, and so can their plans).
+        compile: run the training step under ``torch.compile`` (True: the default ``"inductor"``
+            backend; a string: that backend) with the plan honoured inside one graph: each segment's
+            non-reentrant checkpoint is traced by Dynamo (:mod:`rewrite.compiled`). Plans are
+            checked on the compiled step's measured peak (:mod:`planner.compiled_plan`), one compile
+            each; ``plan.compile_graph_breaks`` counts Dynamo's graph breaks. Not with
+            ``selective``, ``chunk_loss`` or ``world_size`` > 1.
 
     Returns:
         An ``nn.Module`` called like ``model``, returning the same output structure, sharing its
@@ -296,6 +314,10 @@ def optimize(
                              chunk_loss=chunk_loss, loss_fn=loss_fn, output_held=output_held)
     check_model_and_inputs(model, example_inputs)
     check_offload_device(offload, next((t.device.type for t in (*model.parameters(), *model.buffers())), "cpu"))
+    if compile is not False:
+        compile_backend_of(compile, selective=selective, chunk_loss=chunk_loss, world_size=world_size,
+                           trace_method=trace_method)  # a one-line error for what compile does not take
+        capture = dataclasses.replace(capture, compile=compile)
     if budget_fraction is not None:
         budget_gb = _budget_from_fraction(model, example_inputs, budget_fraction, capture.step)
     assert budget_gb is not None  # check_budget_choice asks for one of the two
@@ -393,6 +415,10 @@ class Replanner:
             return plan_for_budget(profiled, budget, self.planning, grads_held=grads_held)
 
         gm = trace()
+        if self.capture.compile_backend is not None and graph is None and not grads_held:
+            return plan_compiled(gm, example_inputs, self.budget_gb, self.planning, self.capture.step,
+                                 self.capture.compile_backend, profile, lambda g, budget_gb: plan_for_budget(
+                                     g, budget_gb, self.planning), original=model)
         if graph is None and not grads_held and self.planning.world_size == 1:
             roomy = self._plan_if_the_step_fits(gm, example_inputs)
             if roomy is not None:

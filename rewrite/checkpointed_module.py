@@ -214,7 +214,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         """
         return self._variant(StepInputs(args, kwargs), explicit=True).plan
 
-    def training_graph_for(self, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+    def training_graph_for(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
         """The rewritten graph a training call with ``args``/``kwargs`` runs (planned first if
         needed, as a forward would): call it with the same arguments. ``planner.enable`` runs
         it from the model's own ``forward``.
@@ -226,7 +226,17 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
             >>> opt.training_graph_for(x)(x).shape
             torch.Size([4, 8])
         """
-        return self._variant(StepInputs(args, kwargs)).graph_module
+        return self._runner(self._variant(StepInputs(args, kwargs)))
+
+    def _runner(self, variant: PlannedVariant) -> Any:
+        """What runs ``variant`` in training: its graph, compiled where ``optimize(compile=...)``
+        asked for it (:mod:`rewrite.compiled`)."""
+        backend = getattr(getattr(self.replan, "capture", None), "compile_backend", None)
+        if backend is None:
+            return variant.graph_module
+        from rewrite.compiled import compiled_runner
+
+        return compiled_runner(variant.graph_module, backend)
 
     @torch.compiler.disable
     def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
@@ -353,7 +363,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
             return self.original(*args, **kwargs)
         self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
-        output = variant.graph_module(*args, **kwargs)
+        output = self._runner(variant)(*args, **kwargs)
         if variant.cost_graph is not None:
             output_held = variant.cost_graph.output_held
         else:  # planned without a profile: the step of the options it was planned with

@@ -36,7 +36,7 @@ from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.trace import RUN_ONCE_OPS
 
-__all__ = ["apply_plan", "CheckpointedSegment", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
+__all__ = ["apply_plan", "CheckpointedSegment", "checkpointed_call", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _leave_kept_node(segment: CheckpointedSegment) -> None:
 
 
 @torch.compiler.disable
-def _checkpointed(segment: CheckpointedSegment, *args: Any) -> Any:
+def checkpointed_call(segment: CheckpointedSegment, *args: Any) -> Any:
     """Run ``segment`` under non-reentrant checkpoint with the RNG state preserved; a plain
     call when autograd is off (inference pays no recompute).
 
@@ -201,7 +201,7 @@ def _replace_segment(
         else:
             args.append(arg)
     with graph.inserting_after(anchor):
-        call = graph.call_function(_checkpointed, (holder, *args))
+        call = graph.call_function(checkpointed_call, (holder, *args))
     anchor = call
     for i, node in enumerate(outputs):
         with graph.inserting_after(anchor):

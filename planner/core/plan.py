@@ -145,6 +145,11 @@ class Plan:
     offloaded_bytes: int = 0
     #: predicted time the compute waits for copies to or from host memory, per step
     exposed_transfer_ms: float = 0.0
+    #: graph breaks Dynamo counted compiling the planned step under ``optimize(compile=...)``
+    #: (:mod:`rewrite.compiled`); None: the plan runs eagerly
+    compile_graph_breaks: int | None = None
+    #: seconds the first compiled step took (compiling included); None: the plan runs eagerly
+    compile_s: float | None = None
 
     @property
     def recompute_ms(self) -> float:
@@ -198,6 +203,11 @@ class Plan:
                             f"of the forward)" if self.capture == "graph" else "not counted (module path: time only)"),
             ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),
         ]
+        if self.compile_graph_breaks is not None:
+            rows.append(("compiled", f"torch.compile, {_count(self.compile_graph_breaks, 'graph break')}, compiled in "
+                                     f"{self.compile_s or 0.0:.1f} s; the measured peaks are the compiled step's" + (
+                f" (unoptimized {self.measured_unoptimized_peak_bytes / GIB:.4f} GiB)"
+                if self.measured_unoptimized_peak_bytes is not None else "")))
         rows.extend(("computation", f"CHANGED: {change}") for change in self.computation_changes)
         if self.capture != "graph":
             rows.append(("capture", describe_capture(self.capture)))

@@ -1,0 +1,199 @@
+"""Plan a step that runs under ``torch.compile``: the budget held by the compiled step's measured peak.
+
+The profile is the eager step's; the compiled step peaks lower (fused kernels keep fewer
+temporaries) or elsewhere (the partitioner saves other tensors). :func:`plan_compiled`
+
+1. compiles the captured graph with nothing recomputed and measures its step at the allocator:
+   within the budget's room, that is the plan (nothing profiled);
+2. otherwise solves the eager profile with the bytes compile saved on the unoptimized step
+   (eager measured peak less compiled measured peak) as extra room, a first guess at how much
+   lower the compiled plan will peak than its eager prediction;
+3. compiles the chosen plan (its segments traced by Dynamo: :mod:`rewrite.compiled`) and
+   checks it on the compiled step's measured peak, as :mod:`planner.closed_loop` checks eager
+   plans: above the room, the graph is solved again with the extra room cut to what compile saved
+   on that plan, less the overshoot and the safety margin (up to :data:`MAX_COMPILED_SOLVES`
+   plans); well below, the gap is given back as room once, and the plan kept if it recomputes
+   less and still measures within the room.
+
+The plan returned has ``measured_peak_bytes`` (the compiled step's), ``compile_graph_breaks``
+and ``compile_s`` set. Each plan checked costs one compile.
+
+Example:
+    >>> import torch
+    >>> from planner import optimize
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).train()
+    >>> opt = optimize(model, (torch.randn(8, 16),), budget_gb=1.0, compile="aot_eager")
+    >>> opt.plan.compile_graph_breaks
+    0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from planner.core.costgraph import CostGraph, with_held_bytes
+from planner.core.errors import InfeasibleBudgetError, InputError
+from planner.core.options import PlanOptions, check_budget_gb
+from planner.core.plan import GIB, Plan
+from profiling.measure import StepInputs, TrainingStep
+from rewrite.compiled import COMPILED_STEP, CompiledStep, compiled_step_peak_bytes
+from rewrite.attach import attach_to_user_modules
+from rewrite.segments import apply_plan, module_copy
+
+__all__ = ["compile_backend_of", "plan_compiled"]
+
+log = logging.getLogger(__name__)
+
+#: Plans compiled and measured at most: the first, and solves again after a measured overshoot
+#: (or once with the room a plan left unused).
+MAX_COMPILED_SOLVES = 3
+
+#: ``(graph, budget_gb) -> Plan``: ``graph`` solved for ``budget_gb`` with the planning options.
+SolveAt = Callable[[CostGraph, float], Plan]
+
+
+def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_loss: bool = False,
+                       world_size: int = 1, trace_method: str = "export") -> str | None:
+    """The ``torch.compile`` backend ``optimize(compile=...)`` names (None: eager), or
+    :class:`InputError` (one line) for a value or option combination compile=True does not take.
+
+    Example:
+        >>> compile_backend_of(True)
+        'inductor'
+        >>> compile_backend_of(True, selective=True)
+        Traceback (most recent call last):
+        ...
+        planner.core.errors.InputError: compile=True does not take selective=True: a selective policy's markers do not run inside a compiled graph; pass selective=False
+    """
+    from rewrite.compiled import COMPILE_BACKEND, check_compile_available
+
+    if compile is False:
+        return None
+    if compile is not True and (not isinstance(compile, str) or not compile):
+        raise InputError(f"compile must be True, False or a torch.compile backend name, got {compile!r}")
+    refused = (
+        ("selective=True", selective, "a selective policy's markers do not run inside a compiled graph",
+         "selective=False"),
+        ("chunk_loss=True", chunk_loss, "the chunked loss is planned on the eager step", "chunk_loss=False"),
+        (f"world_size={world_size}", world_size != 1, "sharded plans are checked on the eager step", "world_size=1"),
+        ("trace_method='modules'", trace_method == "modules", "the module path runs the model's own forward",
+         "trace_method='export'"),
+    )
+    for option, given, why, fix in refused:
+        if given:
+            raise InputError(f"compile=True does not take {option}: {why}; pass {fix}")
+    check_compile_available()
+    return COMPILE_BACKEND if compile is True else compile
+
+
+def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
+    if run is None:
+        return plan
+    return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s)
+
+
+def plan_compiled(gm: Any, example_inputs: Any, budget_gb: float, planning: PlanOptions, step: TrainingStep,
+                  backend: str, profile: Callable[[Any], CostGraph], solve_at: SolveAt,
+                  original: Any = None) -> tuple[Any, Plan, CostGraph | None]:
+    """The rewritten graph (compiled, kept in its ``meta``), its plan and the profile it was
+    solved on (None where the compiled unoptimized step fits: nothing profiled), for a step run
+    under ``torch.compile(backend=backend)`` (see module docs). ``gm`` is the captured graph,
+    left unchanged; ``profile(gm)`` profiles it eagerly. ``original``, the user's module: each
+    graph compiled reads its parameters through it, as the module ``optimize`` returns does
+    (so that one's first step does not compile again)."""
+
+    def rewritten(plan: Plan) -> Any:
+        module = apply_plan(module_copy(gm), plan)
+        if original is not None:
+            attach_to_user_modules(module, original)
+        return module
+
+    inputs = StepInputs.from_example(example_inputs)
+    budget_bytes = check_budget_gb(budget_gb)
+    room_bytes = budget_bytes - planning.reserve_bytes
+    margin_bytes = int(room_bytes * planning.safety_margin)
+    planning_room = int(room_bytes * (1 - planning.safety_margin))
+
+    started = time.perf_counter()
+    empty = Plan(budget_bytes=budget_bytes, predicted_peak_bytes=0, unoptimized_peak_bytes=0, segments=(),
+                 forward_ms=0.0, step_ms=0.0, forward_flops=0, solver="none (the compiled unoptimized step fits)",
+                 solve_s=0.0, computation_changes=tuple(gm.meta.get("computation_changes", ())))
+    unoptimized = rewritten(empty)
+    run, compiled_unoptimized = compiled_step_peak_bytes(unoptimized, inputs, step, backend=backend)
+    if compiled_unoptimized <= planning_room:
+        log.info("plan: the compiled unoptimized step's measured peak %.4f GiB fits the %.4f GiB budget: nothing to "
+                 "recompute, nothing profiled", compiled_unoptimized / GIB, budget_bytes / GIB)
+        plan = dataclasses.replace(empty, predicted_peak_bytes=compiled_unoptimized,
+                                   unoptimized_peak_bytes=compiled_unoptimized,
+                                   measured_unoptimized_peak_bytes=compiled_unoptimized,
+                                   measured_peak_bytes=compiled_unoptimized, solve_s=time.perf_counter() - started)
+        return unoptimized, _compiled_fields(plan, run), None
+
+    graph = profile(gm)
+    eager_unoptimized = graph.measured_peak_bytes
+    compile_saves = max(0, (eager_unoptimized or compiled_unoptimized) - compiled_unoptimized)
+    log.info("the compiled unoptimized step peaks at %.4f GiB, %.1f MiB below the eager step's: planned with that "
+             "as room, then checked compiled", compiled_unoptimized / GIB, compile_saves / 2**20)
+
+    def solve_with(extra_bytes: int) -> Plan:
+        # negative extra room: bytes held all step
+        held, room = max(0, -extra_bytes), max(0, extra_bytes)
+        try:
+            solved = solve_at(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
+        except InfeasibleBudgetError as exc:  # its figures count the extra room: the user's budget's terms
+            raise InfeasibleBudgetError(budget_bytes, max(budget_bytes + 1, exc.min_feasible_bytes - extra_bytes),
+                                        exc.note, compiled_unoptimized) from None
+        return dataclasses.replace(solved, budget_bytes=budget_bytes, measured_unoptimized_peak_bytes=compiled_unoptimized)
+
+    def measured(candidate: Plan) -> tuple[Any, Plan]:
+        if not candidate.segments:
+            return unoptimized, dataclasses.replace(candidate, measured_peak_bytes=compiled_unoptimized)
+        module = rewritten(candidate)
+        _, peak_bytes = compiled_step_peak_bytes(module, inputs, step, backend=backend)
+        return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes)
+
+    extra = compile_saves
+    best: tuple[Any, Plan] | None = None
+    grown = False
+    for attempt in range(MAX_COMPILED_SOLVES):
+        try:
+            module, plan = measured(solve_with(extra))
+        except InfeasibleBudgetError:
+            if best is not None:
+                break
+            raise
+        peak = plan.measured_peak_bytes
+        assert peak is not None
+        if peak <= room_bytes:
+            if best is None or plan.recompute_ms < best[1].recompute_ms:
+                best = module, plan
+            if grown or not plan.segments or room_bytes - peak <= 2 * margin_bytes:
+                break
+            grown = True  # well under the room: the gap given back once, kept if it recomputes less
+            extra += room_bytes - margin_bytes - peak
+            log.info("compiled plan measured %.4f GiB, %.1f MiB under the room: solving again with it", peak / GIB,
+                     (room_bytes - peak) / 2**20)
+            continue
+        if best is not None:  # the grown room overshot: the plan that fit stands
+            break
+        if attempt == MAX_COMPILED_SOLVES - 1:
+            break
+        # the compiled step saved ``predicted - peak`` on this plan: plan for that much, less the margin
+        saved = plan.predicted_peak_bytes - peak
+        extra = min(extra - (peak - room_bytes), saved) - margin_bytes
+        log.warning("compiled plan measured %.4f GiB, above the room of %.4f GiB (eager prediction %.4f GiB): solving "
+                    "again with %.1f MiB of extra room (%d of %d)", peak / GIB, room_bytes / GIB,
+                    plan.predicted_peak_bytes / GIB, extra / 2**20, attempt + 1, MAX_COMPILED_SOLVES - 1)
+    if best is None:
+        raise InfeasibleBudgetError(budget_bytes, budget_bytes + peak - room_bytes, note=(
+            f"the compiled plan's measured step peaked at {peak / GIB:.4f} GiB, {(peak - room_bytes) / 2**20:.1f} "
+            f"MiB above the room"), unoptimized_peak_bytes=compiled_unoptimized)
+    module, plan = best
+    plan = _compiled_fields(plan, module.meta.get(COMPILED_STEP))
+    log.info("plan (compiled): measured peak %.3f GiB of %.3f GiB budget, %d segments, %d graph breaks",
+             plan.measured_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments), plan.compile_graph_breaks)
+    return module, plan, graph

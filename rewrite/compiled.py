@@ -1,0 +1,171 @@
+"""Run a rewritten graph under ``torch.compile`` with its plan honoured inside one graph.
+
+:func:`apply_plan` calls each segment through ``checkpointed_call``, which ``torch.compiler``
+skips: compiled, every segment is a graph break and runs eagerly. :func:`traceable_segments`
+points those calls at :func:`checkpointed_traceable` instead, the same non-reentrant
+``torch.utils.checkpoint`` without the skip, so Dynamo traces each segment as its
+activation-checkpoint higher-order op and AOTAutograd's partitioner recomputes exactly the
+segment's ops in the backward (the checkpoint region's ops reach it tagged for recompute).
+The whole step is one graph; Inductor's random ops draw the same numbers as in the compiled
+model without the plan.
+
+:func:`compile_step` compiles such a graph and runs one warm training step, counting the
+graph breaks Dynamo reports (``torch._dynamo.utils.counters``) and timing the compile;
+:func:`compiled_step_peak_bytes` measures the compiled step's peak at the allocator after it.
+A compiled step's peak is not the eager one's (fused kernels save other tensors), so
+``optimize(compile=True)`` checks each plan on that measurement (:mod:`planner.closed_loop`).
+
+Example:
+    >>> import torch
+    >>> from planner.core.plan import Plan, Segment
+    >>> from profiling.measure import StepInputs
+    >>> from profiling.trace import trace_module
+    >>> from rewrite.segments import apply_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    >>> gm = trace_module(model, (torch.randn(2, 4),))
+    >>> names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    >>> plan = Plan(0, 0, 0, (Segment(tuple(names[:2]), 0.0, 0),), 0.0, 0.0, 0, "none", 0.0)
+    >>> run = compile_step(apply_plan(gm, plan), StepInputs.from_example((torch.randn(2, 4),)),
+    ...                    backend="aot_eager")
+    >>> run.graph_breaks
+    0
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils.checkpoint
+
+from planner.core.errors import InputError, PlannerError
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state, run_step
+from rewrite.segments import CheckpointedSegment, checkpointed_call
+
+__all__ = [
+    "COMPILE_BACKEND",
+    "CompiledStep",
+    "check_compile_available",
+    "checkpointed_traceable",
+    "compile_step",
+    "compiled_runner",
+    "compiled_step_peak_bytes",
+    "graph_break_count",
+    "traceable_segments",
+]
+
+log = logging.getLogger(__name__)
+
+#: The backend ``optimize(compile=True)`` compiles with: ``torch.compile``'s default.
+COMPILE_BACKEND = "inductor"
+#: ``gm.meta`` key of the :class:`CompiledStep` a graph module was compiled into.
+COMPILED_STEP = "checkpoint_planner_compiled_step"
+
+
+def check_compile_available() -> None:
+    """Raise :class:`InputError` (one line) where ``torch.compile`` cannot run here.
+
+    Example:
+        >>> check_compile_available()   # torch.compile runs on this platform
+    """
+    compile_fn = getattr(torch, "compile", None)
+    dynamo = getattr(torch, "_dynamo", None)
+    if compile_fn is None or dynamo is None:
+        raise InputError(f"compile=True needs torch.compile, which torch {torch.__version__} does not have; "
+                         f"upgrade torch or pass compile=False")
+    if not dynamo.is_dynamo_supported():
+        raise InputError(f"compile=True needs torch.compile, which is not supported on this platform "
+                         f"(torch {torch.__version__}); pass compile=False")
+
+
+def checkpointed_traceable(segment: CheckpointedSegment, *args: Any) -> Any:
+    """``segment`` under non-reentrant checkpoint, traceable by Dynamo (no ``compiler.disable``):
+    compiled, its ops are recomputed in the backward inside the one graph."""
+    if not torch.is_grad_enabled():
+        return segment.graph_module(*args)
+    return torch.utils.checkpoint.checkpoint(segment.graph_module, *args, use_reentrant=False,
+                                             preserve_rng_state=True)
+
+
+def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Point ``gm``'s checkpointed segment calls at :func:`checkpointed_traceable`, in place;
+    returns ``gm``. A segment with a selective policy (kept outputs) raises
+    :class:`PlannerError`: its policy reads markers the graph sets as it runs, which a compiled
+    graph does not run."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is checkpointed_call:
+            segment = getattr(gm, str(node.args[0].target))
+            if segment.kept_nodes:
+                raise PlannerError(f"segment {node.args[0].target} keeps outputs under a selective policy, which "
+                                   f"compile=True does not trace; plan with selective=False")
+            node.target = checkpointed_traceable
+            changed += 1
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def graph_break_count() -> int:
+    """Graph breaks Dynamo has counted in this process so far (all reasons)."""
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
+
+
+@dataclass
+class CompiledStep:
+    """A graph module compiled for training: the compiled module, the graph breaks counted while
+    compiling its first step, and that step's wall time in seconds (compile included)."""
+
+    module: torch.nn.Module
+    graph_breaks: int
+    compile_s: float
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None  # a copy of the graph module compiles its own on first use
+
+    def __reduce__(self) -> Any:
+        return (type(None), ())
+
+
+def compile_step(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,
+                 backend: str = COMPILE_BACKEND) -> CompiledStep:
+    """``gm`` (its segments made traceable) under ``torch.compile(backend=backend)``, compiled by one
+    training step run on ``inputs`` (RNG, buffers and ``.grad`` restored after), and kept in
+    ``gm.meta`` for :func:`compiled_runner`."""
+    check_compile_available()
+    traceable_segments(gm)
+    compiled = torch.compile(gm, backend=backend)
+    breaks_before = graph_break_count()
+    started = time.perf_counter()
+    with preserved_state(gm):
+        output = run_step(compiled, inputs, step)
+        del output
+    run = CompiledStep(compiled, graph_break_count() - breaks_before, time.perf_counter() - started)
+    log.info("compiled the planned step (%s): %d graph breaks, %.1f s", backend, run.graph_breaks, run.compile_s)
+    gm.meta[COMPILED_STEP] = run
+    return run
+
+
+def compiled_step_peak_bytes(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,
+                             backend: str = COMPILE_BACKEND) -> tuple[CompiledStep, int]:
+    """``gm`` compiled (:func:`compile_step`) and the peak bytes of its compiled training step,
+    measured at the allocator after the compiling step (``measure_step_peak_bytes``)."""
+    run = compile_step(gm, inputs, step, backend=backend)
+    return run, measure_step_peak_bytes(run.module, inputs, step)
+
+
+def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND) -> torch.nn.Module:
+    """What runs ``gm`` compiled: the module :func:`compile_step` made for it, else ``gm``
+    compiled now (its segments made traceable), kept in ``gm.meta``."""
+    run = gm.meta.get(COMPILED_STEP)
+    if run is None:
+        traceable_segments(gm)
+        run = CompiledStep(torch.compile(gm, backend=backend), 0, 0.0)
+        gm.meta[COMPILED_STEP] = run
+    return run.module

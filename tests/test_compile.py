@@ -1,0 +1,208 @@
+"""optimize(compile=...): the plan honoured inside one torch.compile graph.
+
+The compiled cases are ``slow`` (each compiles several graphs). They check the promises under
+compile: no graph break in the planned step where ``torch.compile`` of the plain graph has none,
+the measured compiled peak within the budget, and the same loss and gradients (dropout
+included) as the compiled model without the planner, bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from planner import optimize
+from planner.compiled_plan import compile_backend_of
+from planner.core.errors import InputError
+from planner.core.plan import Plan, Segment
+from profiling import StepInputs, measure_step_peak_bytes
+from rewrite.compiled import checkpointed_traceable, graph_break_count, traceable_segments
+from rewrite.segments import checkpointed_call
+
+FAST = {"timing_repeats": 1, "max_stages": 12}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+def make_net(batch: int = 256, width: int = 32, blocks: int = 4):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, 3)).train()
+    return model, (torch.randn(batch, width),)
+
+
+def step_of(module, owner, inputs, seed: int):
+    """Loss and gradients (by parameter name) of one step from ``seed``."""
+    owner.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = module(*inputs).pow(2).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in owner.named_parameters()}
+    owner.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+# ------------------------------------------------------------------ input errors (fast)
+
+@pytest.mark.parametrize("options, words", [
+    ({"compile": "", "budget_gb": 1.0}, "compile must be True, False or a torch.compile backend name"),
+    ({"compile": 2, "budget_gb": 1.0}, "compile must be True, False or a torch.compile backend name"),
+    ({"compile": True, "selective": True, "budget_gb": 1.0}, "does not take selective=True"),
+    ({"compile": True, "chunk_loss": True, "budget_gb": 1.0}, "does not take chunk_loss=True"),
+    ({"compile": True, "trace_method": "modules", "budget_gb": 1.0}, "pass trace_method='export'"),
+])
+def test_bad_compile_options_fail_in_one_line_before_any_work(options, words):
+    model, inputs = make_net(batch=4)
+    with pytest.raises(InputError, match=words) as err:
+        optimize(model, inputs, **options)
+    assert "\n" not in str(err.value)
+
+
+def test_compile_where_torch_compile_cannot_run_says_so(monkeypatch):
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(InputError, match="not supported on this platform.*pass compile=False"):
+        compile_backend_of(True)
+
+
+def test_compile_backend_names():
+    assert compile_backend_of(False) is None
+    assert compile_backend_of(True) == "inductor"
+    assert compile_backend_of("aot_eager") == "aot_eager"
+
+
+def test_summary_reports_the_graph_breaks_of_a_compiled_plan():
+    plan = Plan(2**30, 2**29, 2**30, (Segment(("a", "b"), 1.0, 10),), 5.0, 20.0, 100, "chain DP", 0.1,
+                measured_unoptimized_peak_bytes=2**29, measured_peak_bytes=2**28, compile_graph_breaks=2,
+                compile_s=12.5)
+    line = next(line for line in plan.summary().splitlines() if line.startswith("compiled"))
+    assert "2 graph breaks" in line and "12.5 s" in line and "unoptimized 0.5000 GiB" in line
+    eager = Plan(2**30, 2**29, 2**30, (), 5.0, 20.0, 100, "chain DP", 0.1)
+    assert not any(line.startswith("compiled") for line in eager.summary().splitlines())
+
+
+def test_traceable_segments_refuses_a_selective_segment():
+    from rewrite.segments import apply_plan
+    from profiling.trace import trace_module
+    from planner.core.errors import PlannerError
+
+    model, inputs = make_net(batch=4, blocks=1)
+    gm = trace_module(model, inputs)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    plain = apply_plan(trace_module(model, inputs), Plan(0, 0, 0, (Segment(tuple(names[:3]), 0.0, 0),),
+                                                           0.0, 0.0, 0, "none", 0.0))
+    traceable_segments(plain)
+    targets = [n.target for n in plain.graph.nodes if n.op == "call_function"]
+    assert checkpointed_traceable in targets and checkpointed_call not in targets
+    kept = apply_plan(gm, Plan(0, 0, 0, (Segment(tuple(names[:3]), 0.0, 0, kept_nodes=(names[1],)),),
+                               0.0, 0.0, 0, "none", 0.0))
+    with pytest.raises(PlannerError, match="selective=False"):
+        traceable_segments(kept)
+
+
+# ------------------------------------------------------------------ compiled (slow)
+
+@pytest.mark.slow
+def test_compiled_plan_is_one_graph_within_budget_with_the_compiled_models_randomness():
+    """aot_eager: the partitioner honours the checkpoints, no graph break where torch.compile of
+    the eager plan breaks at every segment, the measured peak within the budget, and loss and
+    gradients (dropout on) bitwise those of ``torch.compile(model)``."""
+    torch._dynamo.reset()
+    model, inputs = make_net()
+    step_inputs = StepInputs.from_example(inputs)
+    compiled_model = torch.compile(model, backend="aot_eager")
+    before = graph_break_count()
+    compiled_peak = measure_step_peak_bytes(compiled_model, step_inputs)   # first call compiles
+    assert graph_break_count() == before
+    compiled_peak = measure_step_peak_bytes(compiled_model, step_inputs)
+    budget_gb = 0.7 * compiled_peak / 2**30
+    opt = optimize(model, inputs, budget_gb=budget_gb, compile="aot_eager", **FAST)
+    assert opt.plan.segments and opt.plan.compile_graph_breaks == 0
+    assert opt.plan.measured_peak_bytes <= opt.plan.budget_bytes
+    before = graph_break_count()
+    assert measure_step_peak_bytes(opt, step_inputs) <= opt.plan.budget_bytes   # measured again here
+    assert graph_break_count() == before   # no compile, no break at run time
+    # the eager plan under torch.compile: a graph break at every segment
+    eager_plan = optimize(model, inputs, budget_gb=budget_gb, **FAST)
+    assert eager_plan.plan.segments
+    before = graph_break_count()
+    step_of(torch.compile(eager_plan, backend="aot_eager"), model, inputs, seed=1)
+    assert graph_break_count() - before >= len(eager_plan.plan.segments)
+    for seed in (3, 4):
+        loss_a, grads_a = step_of(compiled_model, model, inputs, seed)
+        loss_b, grads_b = step_of(opt, model, inputs, seed)
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_gpt2_plan_measures_within_budget_bitwise_with_dropout():
+    """Inductor on a small HF GPT-2 (dropout 0.1): the planned compiled step has no graph break,
+    measures within the budget, and its loss and gradients equal ``torch.compile(model)``'s bit
+    for bit (Inductor's own random stream, the same in both)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from models import gpt2
+
+    torch._dynamo.reset()
+    model, example = gpt2(batch=2, seq_len=64, layers=2, width=128)
+    inputs = StepInputs.from_example(example)
+    compiled_model = torch.compile(model)
+    # 80 % of the eager peak: under the compiled unoptimized graph's peak, above the floor
+    opt = optimize(model, example, budget_gb=0.8 * measure_step_peak_bytes(model, inputs) / 2**30, compile=True,
+                   **FAST)
+    assert opt.plan.segments and opt.plan.compile_graph_breaks == 0
+    assert measure_step_peak_bytes(opt, inputs) <= opt.plan.budget_bytes
+    assert "0 graph breaks" in opt.plan.summary()
+
+    def step(module, seed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = module(**example).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return loss.detach(), grads
+
+    for seed in (1, 2):
+        loss_a, grads_a = step(compiled_model, seed)
+        loss_b, grads_b = step(opt, seed)
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_enable_passes_compile_on():
+    """``planner.enable(model, compile=...)`` plans in place on the first batch, and the model's
+    own forward then runs the compiled planned step (no graph break, the compiled model's loss)."""
+    from planner.integrations.inplace import disable, enable, plan_of
+
+    torch._dynamo.reset()
+    model, inputs = make_net()
+    reference, _ = step_of(torch.compile(model, backend="aot_eager"), model, inputs, seed=5)
+    peak = measure_step_peak_bytes(torch.compile(model, backend="aot_eager"), StepInputs.from_example(inputs))
+    enable(model, budget_gb=0.7 * peak / 2**30, compile="aot_eager", **FAST)
+    try:
+        step_of(model, model, inputs, seed=1)   # plans and compiles
+        plan = plan_of(model)
+        assert plan.segments and plan.compile_graph_breaks == 0
+        before = graph_break_count()
+        loss, _ = step_of(model, model, inputs, seed=5)
+        assert graph_break_count() == before and torch.equal(loss, reference)
+    finally:
+        disable(model)
+        torch._dynamo.reset()
