@@ -35,6 +35,7 @@ from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
 from planner.measured_fit import plan_fitting_on_measurement
+from planner.graph_break_plan import plan_graph_breaks
 from planner.module_plan import plan_modules
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.solvers.hand_policies import hand_placed_within_noise
@@ -51,9 +52,10 @@ __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOp
 
 log = logging.getLogger(__name__)
 
-#: ``trace_method`` values: the capture methods, and ``"modules"``, the module path
-#: (:mod:`planner.module_plan`), which needs no captured graph.
-CAPTURE_METHODS = (*TRACE_METHODS, "modules")
+#: ``trace_method`` values: the capture methods, ``"graph-breaks"`` (the ATen ops of the eager
+#: step, :mod:`planner.graph_break_plan`) and ``"modules"``, the module path
+#: (:mod:`planner.module_plan`), which need no captured graph.
+CAPTURE_METHODS = (*TRACE_METHODS, "graph-breaks", "modules")
 
 
 def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
@@ -187,9 +189,10 @@ def optimize(
             eagerly first); inputs of another shape are then planned for the same budget in GiB.
         reserve_gb: room set aside inside the budget (e.g. for optimizer state).
         trace_method: ``"export"`` (default) or ``"symbolic_trace"``: capture the forward as a
-            graph, and where capture fails plan over submodule calls instead (one warning names
-            the failure); ``"modules"``: plan over submodule calls directly
-            (:mod:`planner.module_plan`; ``plan.capture`` says which path made the plan).
+            graph, and where capture fails plan over the ATen ops the eager step dispatches, graph
+            breaks and all (:mod:`planner.graph_break_plan`), else over submodule calls (one
+            warning names the failure); ``"graph-breaks"`` or ``"modules"``: that path directly
+            (``plan.capture`` says which path made the plan).
         max_stages: how many stages the graph is reduced to before the ILP.
         solver: None (default): segments-only stage models are solved exactly by dynamic
             programming over the stage chain, the rest (selective plans, the smallest peak) by
@@ -289,6 +292,9 @@ def optimize(
     if capture.trace_method == "modules":
         return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                             step=capture.step)
+    if capture.trace_method == "graph-breaks":
+        return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                                 step=capture.step)
     if not isinstance(share_plan, bool):
         raise InputError(f"share_plan must be True or False, got {share_plan!r}")
     replan = Replanner(budget_gb, planning, capture, share_plan=share_plan)
@@ -296,8 +302,16 @@ def optimize(
         gm, plan, graph = replan(model, example_inputs)
     except TraceError as exc:
         first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
-                    "trace_method='modules' skips the capture)", first_line)
+        log.warning("%s; planning over the ops of its eager step instead (trace_method='graph-breaks' skips the "
+                    "capture)", first_line)
+        try:
+            return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                                     step=capture.step)
+        except (InfeasibleBudgetError, InputError):
+            raise
+        except Exception as break_exc:  # noqa: BLE001 - any failure of that path leaves the module path
+            log.warning("the graph-break path failed (%s: %s); planning over submodule calls: a coarser plan",
+                        type(break_exc).__name__, str(break_exc).splitlines()[0] if str(break_exc) else "")
         try:
             return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                                 step=capture.step)
