@@ -100,9 +100,13 @@ class OpRegion:
         self._unpacked: dict[tuple[int, int], int] = {}
         self.held: dict[tuple[int, int], torch.Tensor] | None = None
         self.hold_reason = ""
-        self.rng_state = torch.get_rng_state()
-        self.cuda_rng_state = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.rng_state: torch.Tensor | None = torch.get_rng_state()
+        self.cuda_rng_state: list[torch.Tensor] | None = (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized()
+                                                          else None)
         self.replayed_ops = 0
+        self._remaining = 0
+        self._released = False
+        self._replayed = False
 
     def _external(self, tensor: torch.Tensor) -> int:
         index = self._external_ids.get(id(tensor))
@@ -155,11 +159,10 @@ class OpRegion:
         if not self.hold_reason:
             self.hold_reason = reason
 
-    def pack(self, tensor: torch.Tensor, earlier_ops: bool = True) -> Any:
-        """The handle autograd keeps for ``tensor`` (the tensor itself when the range did not make
-        it, or, with ``earlier_ops`` False, when its last op did not)."""
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """The handle autograd keeps for ``tensor`` (the tensor itself when the range did not make it)."""
         entry = self._produced.get(id(tensor))
-        if entry is None or entry[0]() is not tensor or (not earlier_ops and entry[1][0] != len(self.ops) - 1):
+        if entry is None or entry[0]() is not tensor:
             return tensor
         self._pending.append((tensor, tensor._version))
         self._needed[entry[1]] = self._needed.get(entry[1], 0) + 1
@@ -177,19 +180,30 @@ class OpRegion:
         self._pending = []
         self._produced = {}
         self._external_ids = {}
+        if not any(torch.Tag.nondeterministic_seeded in func.tags for func, _, _, _ in self.ops):
+            self.rng_state = self.cuda_rng_state = None  # nothing random to replay
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
-        """The value ``handle`` stands for: held, or from a replay of the range."""
+        """The value ``handle`` stands for: held, or from a replay of the range. Once every
+        handle was unpacked (one backward), the record and its inputs are released, as a
+        checkpoint releases its inputs: a second backward through the range is refused."""
         key = handle.key
         if self.held is not None:
             return self.held[key]
         if key not in self._cache:
+            if self._released or self._replayed:
+                raise RuntimeError("backward through a checkpointed op region a second time: its inputs were released "
+                                   "after the first backward (retain_graph=True is not supported on the graph-break path)")
             self._replay()
+            self._replayed = True
+            self._remaining = sum(self._needed.values())
         value = self._cache[key]
         self._unpacked[key] = self._unpacked.get(key, 0) + 1
+        self._remaining -= 1
         if self._unpacked[key] >= self._needed[key]:
             del self._cache[key]
-            self._unpacked[key] = 0
+        if self._remaining <= 0 and not self._cache:
+            self.ops, self.externals, self._read_versions, self._released = [], [], [], True
         return value
 
     def _replay(self) -> None:
@@ -206,7 +220,8 @@ class OpRegion:
         values: dict[tuple[int, int], torch.Tensor] = {}
         devices = [torch.device("cuda", i) for i in range(len(self.cuda_rng_state))] if self.cuda_rng_state else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.set_rng_state(self.rng_state)
+            if self.rng_state is not None:
+                torch.set_rng_state(self.rng_state)
             if self.cuda_rng_state:
                 torch.cuda.set_rng_state_all(self.cuda_rng_state)
             for i, (func, refs, spec, written) in enumerate(self.ops[:last + 1]):
@@ -231,6 +246,7 @@ class OpRegion:
                             and ref[1] not in self._needed:
                         values.pop(ref[1], None)
         self._cache = {key: values[key] for key in self._needed if key in values}
+        self.rng_state = self.cuda_rng_state = None  # replayed: the state is not needed again
 
 
 class RegionRunner(TorchDispatchMode):
@@ -301,13 +317,14 @@ class RegionRunner(TorchDispatchMode):
         return out
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        """A save between op ``k - 1`` and op ``k`` belongs to op ``k - 1`` when op ``k - 1`` made the
-        tensor (an output saved), else to op ``k`` (an input saved before it runs): it becomes a
-        handle when that op and the tensor's maker are in the open range."""
+        """A save between two ops of the open range becomes a handle when the range made the
+        tensor. A save after the range's last op (that op's output saved, or the next op's input:
+        autograd saves both between the two dispatches) stays a tensor: it is the range's
+        output, which the ops after it hold anyway, and a handle would replay the range early."""
         region = self._open
-        if region is None:
+        if region is None or self.op_count > self._open_end:
             return tensor
-        return region.pack(tensor, earlier_ops=self.op_count <= self._open_end)
+        return region.pack(tensor)
 
     def _finish(self) -> None:
         assert self._open is not None
