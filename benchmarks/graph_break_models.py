@@ -84,7 +84,7 @@ class NonzeroMoE(_Layered):
     """Per layer: a router picks one of ``experts`` per token; each expert runs on the tokens
     ``nonzero`` finds for it (shapes depend on the data); outputs scattered back with the gate."""
 
-    def __init__(self, width: int, layers: int, experts: int = 4) -> None:
+    def __init__(self, width: int, layers: int, experts: int = 2) -> None:
         super().__init__()
         self.layers = layers
         self.ln = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
@@ -148,7 +148,7 @@ MODELS: dict[str, tuple[Callable[[int, int], nn.Module], str]] = {
 }
 
 
-def build(name: str, *, width: int = 64, tokens: int = 2048, layers: int = 6,
+def build(name: str, *, width: int = 64, tokens: int = 2048, layers: int = 4,
           seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """The model ``name`` of :data:`MODELS` in training mode and its example inputs."""
     if name not in MODELS:

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 #: Ops whose result Python reads as data (a scalar, or a shape that depends on values): where
 #: Dynamo and ``torch.export`` break the graph.
 BREAK_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique_dim",
-                       "_unique2", "unique_consecutive", "repeat_interleave", "allclose"})
+                       "_unique2", "unique_consecutive", "repeat_interleave", "allclose",
+                       "lift_fresh", "lift_fresh_copy"})  # the last two: a tensor made by torch.from_numpy
 
 
 @dataclass

@@ -116,9 +116,21 @@ class OpRegion:
             self._external_ids[id(tensor)] = index
         return index
 
+    def snapshots(self, func: Any, args: tuple[Any, ...]) -> dict[int, torch.Tensor]:
+        """Copies, taken before ``func`` runs, of the tensors from outside the range it writes in
+        place: the replay starts from the values the forward started from."""
+        return {i: args[i].detach().clone() for i in _written_positions(func, len(args))
+                if isinstance(args[i], torch.Tensor) and not self._made_here(args[i])}
+
+    def _made_here(self, tensor: torch.Tensor) -> bool:
+        entry = self._produced.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-               versions: list[int | None]) -> None:
-        """Add one op that ran (``versions``: its tensor arguments' versions before it ran)."""
+               versions: list[int | None], snapshots: dict[int, torch.Tensor] | None = None) -> None:
+        """Add one op that ran (``versions``: its tensor arguments' versions before it ran;
+        ``snapshots``: :meth:`snapshots` taken before it ran)."""
+        snapshots = snapshots or {}
         leaves, spec = tree_flatten((args, kwargs))
         written = _written_positions(func, len(args))
         refs: list[Any] = []
@@ -132,6 +144,9 @@ class OpRegion:
             is_written = position < len(args) and position in written
             if entry is not None and entry[0]() is leaf:
                 refs.append((_PRODUCED, entry[1]))
+            elif position in snapshots:
+                self.externals.append(snapshots[position])
+                refs.append((_EXTERNAL, len(self.externals) - 1))
             else:
                 index = self._external(leaf)
                 refs.append((_EXTERNAL, index))
@@ -312,8 +327,9 @@ class RegionRunner(TorchDispatchMode):
         leaves = tree_flatten((args, kwargs))[0]
         versions = [leaf._version if isinstance(leaf, torch.Tensor) and not leaf.is_inference() else None
                     for leaf in leaves]
+        snapshots = region.snapshots(func, args)
         out = func(*args, **kwargs)
-        region.record(func, args, kwargs, out, versions)
+        region.record(func, args, kwargs, out, versions, snapshots)
         return out
 
     def _pack(self, tensor: torch.Tensor) -> Any:
