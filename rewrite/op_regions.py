@@ -342,6 +342,18 @@ class RegionRunner(TorchDispatchMode):
             return tensor
         return region.pack(tensor)
 
+    def open_region(self) -> None:
+        """Start a range at the next op, whatever its index (a range delimited by events, such
+        as a module's forward hooks, rather than op indices)."""
+        if self._open is None:
+            self._open, self._open_end = OpRegion(), 2**62
+            self.opened.append(self._open)
+
+    def close_region(self) -> None:
+        """End the range :meth:`open_region` started, after the last op dispatched."""
+        if self._open is not None:
+            self._finish()
+
     def _finish(self) -> None:
         assert self._open is not None
         self._open.close()

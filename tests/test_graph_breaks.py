@@ -158,3 +158,17 @@ def test_each_break_cause_plans_at_half_its_peak_bit_for_bit(name):
     assert opt.plan.capture == "graph-breaks"
     assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
     assert _same(reference, _step(opt, list(model.parameters()), x))
+
+
+def test_the_module_path_checkpoints_a_loop_body_over_several_lists_as_one_run():
+    """Each call alone (a LayerNorm, a Linear) saves about what it holds anyway; the loop body
+    ln[i], fc1[i], fc2[i] with the Python between them, checkpointed as one unit, meets half the peak."""
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    inputs = StepInputs.from_example((x,))
+    peak_bytes = measure_step_peak_bytes(model, inputs)
+    reference = _step(model, list(model.parameters()), x)
+    opt = optimize(model, (x,), budget_gb=0.5 * peak_bytes / 2**30, trace_method="modules", timing_repeats=1)
+    assert opt.plan.capture == "modules" and opt.checkpointed
+    assert set(opt.checkpointed) <= {f"run:ln.{i}..fc2.{i}" for i in range(4)}
+    assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
+    assert _same(reference, _step(opt, list(model.parameters()), x))
