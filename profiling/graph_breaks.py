@@ -41,6 +41,7 @@ from rewrite.op_regions import UNCOUNTED_OPS
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
 from profiling.module_costgraph import _calibrated
 from profiling.op_temporaries import measure_op_peaks
+from profiling.op_times import time_ops
 
 __all__ = ["OpRecord", "profile_op_stream", "op_node_index", "BREAK_OPS"]
 
@@ -227,16 +228,15 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
     step = step if step is not None else TrainingStep()
     inputs = example_inputs if isinstance(example_inputs, StepInputs) else StepInputs.from_example(example_inputs)
     peak_bytes = measure_step_peak_bytes(model, inputs, step)
-    started = time.perf_counter()
     first = _record_step(model, inputs, step)
-    step_ms = (time.perf_counter() - started) * 1e3
-    for _ in range(timing_repeats - 1):
-        again = _record_step(model, inputs, step)
-        if [r.func for r in again.ops] != [r.func for r in first.ops]:
-            log.debug("a timing step dispatched other ops than the profiled one: its times are not used")
-            continue
-        for record, timed in zip(first.ops, again.ops):
-            record.time_ms.extend(timed.time_ms)
+    times_ms, step_ms = time_ops(model, inputs, step, timing_repeats)
+    model_ops = [r for r in first.ops if not r.in_loss]
+    if len(times_ms) == len(model_ops):
+        for record, ms in zip(model_ops, times_ms):
+            record.time_ms = [ms]
+    else:
+        log.debug("the timing steps dispatched %d ops, the profiled one %d: times of the profiled step are used",
+                  len(times_ms), len(model_ops))
     persistent: dict[int, str] = {}
     for kind, tensors in (("param", model.parameters()), ("buffer", model.buffers()), ("input", inputs.tensors())):
         for t in tensors:
