@@ -48,7 +48,9 @@ How to read it:
 - "bit for bit": the loss and every parameter gradient of one step equal the unoptimized
   model's (`torch.equal`), the same seed for both.
 - GPT-2: the same model planned on its captured graph and forced through the graph-break path
-  at half its peak; the two plans' extra FLOPs, measured.
+  at half its peak; the two plans' extra FLOPs, measured. Both paths choose segments by measured
+  node times, not FLOPs, so on a busy machine either figure moves by a few points of the step's
+  FLOPs from run to run.
 """
 
 

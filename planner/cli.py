@@ -111,6 +111,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             "hit_time_limit": plan.hit_time_limit,
             "computation_changes": list(plan.computation_changes),
             "capture": plan.capture,
+            **({"subgraphs": plan.subgraphs} if plan.capture == "graph-breaks" else {}),
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))
     else:

@@ -302,22 +302,32 @@ def optimize(
         gm, plan, graph = replan(model, example_inputs)
     except TraceError as exc:
         first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        log.warning("%s; planning over the ops of its eager step instead (trace_method='graph-breaks' skips the "
-                    "capture)", first_line)
-        try:
-            return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
-                                     step=capture.step)
-        except (InfeasibleBudgetError, InputError):
-            raise
-        except Exception as break_exc:  # noqa: BLE001 - any failure of that path leaves the module path
-            log.warning("the graph-break path failed (%s: %s); planning over submodule calls: a coarser plan",
-                        type(break_exc).__name__, str(break_exc).splitlines()[0] if str(break_exc) else "")
+        if _graph_breaks_apply(planning):  # one process: the graph-break path plans per process
+            log.warning("%s; planning over the ops of its eager step instead (trace_method='graph-breaks' skips "
+                        "the capture)", first_line)
+            try:
+                return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                                         step=capture.step)
+            except InfeasibleBudgetError:
+                raise
+            except Exception as break_exc:  # noqa: BLE001 - any failure of that path leaves the module path
+                first_line = f"{first_line}; the graph-break path failed ({type(break_exc).__name__})"
+        log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
+                    "trace_method='modules' skips the capture)", first_line)
         try:
             return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                                 step=capture.step)
         except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
             raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
+
+
+def _graph_breaks_apply(planning: PlanOptions) -> bool:
+    """Whether a model that cannot be captured is planned over the ops of its eager step: one
+    process (the module path serves sharded and multi-rank runs, with rank 0's plan on every rank)."""
+    import torch.distributed as dist
+
+    return planning.world_size == 1 and not (dist.is_available() and dist.is_initialized())
 
 
 def _budget_from_fraction(model: Any, example_inputs: Any, fraction: float, step: TrainingStep) -> float:
