@@ -132,7 +132,14 @@ class OpRegion:
         ``snapshots``: :meth:`snapshots` taken before it ran)."""
         snapshots = snapshots or {}
         leaves, spec = tree_flatten((args, kwargs))
-        written = _written_positions(func, len(args))
+        arg_of = [i for i, arg in enumerate(args) for _ in tree_flatten(arg)[0]]
+        arg_of += [-1] * (len(leaves) - len(arg_of))
+        written_args = _written_positions(func, len(args))
+        if any(not isinstance(args[i], torch.Tensor) for i in written_args) or any(
+                a.alias_info is not None and a.alias_info.is_write and a.name in kwargs
+                for a in func._schema.arguments):
+            self._hold(f"{func} writes a list or an out= argument in place")
+        written = {position for position, i in enumerate(arg_of) if i in written_args}
         refs: list[Any] = []
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Generator):
@@ -141,11 +148,11 @@ class OpRegion:
                 refs.append(leaf)
                 continue
             entry = self._produced.get(id(leaf))
-            is_written = position < len(args) and position in written
+            is_written = position in written
             if entry is not None and entry[0]() is leaf:
                 refs.append((_PRODUCED, entry[1]))
-            elif position in snapshots:
-                self.externals.append(snapshots[position])
+            elif is_written and arg_of[position] in snapshots:
+                self.externals.append(snapshots[arg_of[position]])
                 refs.append((_EXTERNAL, len(self.externals) - 1))
             else:
                 index = self._external(leaf)
@@ -157,7 +164,7 @@ class OpRegion:
                     self._hold(f"{func} reads a tensor from outside the range that the range wrote")
                 elif versions[position] is not None:
                     self._read_versions.append((index, versions[position]))
-        self.ops.append((func, refs, spec, {p for p in written}))
+        self.ops.append((func, refs, spec, written))
         op_index = len(self.ops) - 1
         out_leaves, _ = tree_flatten(out)
         for j, leaf in enumerate(out_leaves):
