@@ -107,6 +107,17 @@ class BreakCheckpointedModule(SavesAsTheModel, torch.nn.Module):
         self.last_runner: RegionRunner | None = None
         self.train(original.training)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(opt)``) with its plans; a loaded module runs inputs of a signature
+        it has no plan for without checkpoints (the re-planning closure does not pickle)."""
+        state = dict(self.__dict__)
+        state["_replan"] = None
+        state["last_runner"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def train(self, mode: bool = True) -> "BreakCheckpointedModule":
         super().train(mode)
         self.original.train(mode)

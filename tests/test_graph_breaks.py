@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import sys
 from pathlib import Path
 
@@ -131,6 +132,12 @@ def test_optimize_plans_an_uncapturable_model_through_its_breaks():
     assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
     assert _same(reference, _step(opt, list(model.parameters()), x))
     assert list(opt.state_dict()) == list(model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.plan == opt.plan and loaded.regions == opt.regions
+    assert _same(_step(loaded.original, list(loaded.parameters()), x), _step(loaded, list(loaded.parameters()), x))
 
 
 @pytest.mark.slow
