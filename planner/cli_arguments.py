@@ -169,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_stages(plan)
     _add_solve_options(plan)
     _add_chunk_loss(plan)
-    plan.add_argument("--trace-method", choices=("export", "symbolic_trace", "modules"), default="export",
-                      help="capture the forward as a graph (export, default; falls back to modules where capture "
-                           "fails) or plan over submodule calls directly (modules: coarser, for models that "
-                           "cannot be captured)")
+    plan.add_argument("--trace-method", choices=("export", "symbolic_trace", "graph-breaks", "modules"),
+                      default="export",
+                      help="capture the forward as a graph (export, default; falls back to graph-breaks, then "
+                           "modules, where capture fails), plan over the ops of the eager step (graph-breaks: "
+                           "for models with graph breaks) or over submodule calls directly (modules: coarser)")
     plan.add_argument("--compile", action="store_true",
                       help="plan for a training step run under torch.compile (Inductor): the plan honoured inside "
                            "one compiled graph and checked on the compiled step's measured peak (one compile per "

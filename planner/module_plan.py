@@ -39,7 +39,9 @@ MAX_TIGHTENINGS = 3
 
 
 def _checkpointed_paths(graph: CostGraph, plan: Plan) -> tuple[str, ...]:
-    return tuple(graph.node(name).module for seg in plan.segments for name in seg.node_names)
+    """Module paths of the planned units; a run's node name (``run:<first>..<last>``) as it is."""
+    return tuple(name if name.startswith("run:") else graph.node(name).module
+                 for seg in plan.segments for name in seg.node_names)
 
 
 def _holding(graph: CostGraph, extra_bytes: int) -> CostGraph:
@@ -67,12 +69,13 @@ def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: Pla
     from profiling.measure import StepInputs, TrainingStep
     from profiling.module_costgraph import module_cost_graph
     from profiling.module_profile import profile_modules
+    from profiling.module_runs import with_runs
 
     step = step if step is not None else TrainingStep()
     budget_bytes = check_budget_gb(budget_gb)
     room_bytes = budget_bytes - options.reserve_bytes
     inputs = StepInputs.from_example(example_inputs)
-    graph = module_cost_graph(profile_modules(model, inputs, timing_repeats=timing_repeats, step=step))
+    graph = with_runs(module_cost_graph(profile_modules(model, inputs, timing_repeats=timing_repeats, step=step)))
     solved_on = graph
     for attempt in range(MAX_TIGHTENINGS + 1):
         try:

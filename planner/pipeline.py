@@ -29,7 +29,7 @@ from planner.core.costgraph import (
     shard_parameters,
     with_held_bytes,
 )
-from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, ProfileError, TraceError
+from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, TraceError
 from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb,
                                   check_offload_device)
 from planner.core.plan import GIB, Plan
@@ -37,7 +37,10 @@ from planner.core.simulate import simulate
 from planner.closed_loop import measured_plan
 from planner.compiled_plan import compile_backend_of, plan_compiled
 from planner.measured_fit import plan_fitting_on_measurement
+from planner.graph_break_plan import plan_graph_breaks
+from planner.capture_options import CaptureOptions
 from planner.module_plan import plan_modules
+from planner.uncaptured import plan_without_capture
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.solvers.hand_policies import hand_placed_within_noise
 from planner.solvers.offload import offload_plan
@@ -45,19 +48,15 @@ from planner.solvers.solve import solve
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from profiling.progress import heartbeat
-from profiling.trace import TRACE_METHODS, trace_module
+from profiling.trace import trace_module
 from profiling.validate import check_model_and_inputs
 from rewrite.apply import CheckpointedModule, apply_plan
-from rewrite.compiled import COMPILE_BACKEND
 from rewrite.segments import module_copy
 
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 log = logging.getLogger(__name__)
 
-#: ``trace_method`` values: the capture methods, and ``"modules"``, the module path
-#: (:mod:`planner.module_plan`), which needs no captured graph.
-CAPTURE_METHODS = (*TRACE_METHODS, "modules")
 
 
 def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
@@ -120,46 +119,6 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 
-@dataclasses.dataclass(frozen=True)
-class CaptureOptions:
-    """How ``optimize`` captures and profiles the model (its docstring says what each does)."""
-
-    trace_method: str = "export"
-    timing_repeats: int = 2
-    cache_dir: str | None = None
-    progress: bool = False
-    simplify_attention_masks: bool = False
-    chunk_loss: bool = False
-    loss_fn: Callable[[Any], Any] | None = None
-    output_held: bool = False
-    #: run the step under ``torch.compile``: True (Inductor) or a backend name; False: eagerly
-    compile: bool | str = False
-
-    @property
-    def compile_backend(self) -> str | None:
-        """The ``torch.compile`` backend the step runs under (:mod:`rewrite.compiled`); None: eagerly."""
-        if self.compile is False:
-            return None
-        return COMPILE_BACKEND if self.compile is True else str(self.compile)
-
-    @property
-    def step(self) -> TrainingStep:
-        """The training step profiled, planned for and measured."""
-        return TrainingStep(self.loss_fn, self.output_held)
-
-    def __post_init__(self) -> None:
-        if self.trace_method not in CAPTURE_METHODS:
-            raise InputError(f"trace_method must be one of {CAPTURE_METHODS}, got {self.trace_method!r}")
-        if isinstance(self.timing_repeats, bool) or not isinstance(self.timing_repeats, int) or \
-                self.timing_repeats < 1:
-            raise InputError(f"timing_repeats must be a positive integer, got {self.timing_repeats!r}")
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise InputError(f"loss_fn must be a callable taking the model's output and returning the loss, "
-                             f"got {type(self.loss_fn).__name__}")
-        if not isinstance(self.output_held, bool):
-            raise InputError(f"output_held must be True or False, got {self.output_held!r}")
-
-
 def optimize(
     model: Any,
     example_inputs: Any,
@@ -205,9 +164,10 @@ def optimize(
             eagerly first); inputs of another shape are then planned for the same budget in GiB.
         reserve_gb: room set aside inside the budget (e.g. for optimizer state).
         trace_method: ``"export"`` (default) or ``"symbolic_trace"``: capture the forward as a
-            graph, and where capture fails plan over submodule calls instead (one warning names
-            the failure); ``"modules"``: plan over submodule calls directly
-            (:mod:`planner.module_plan`; ``plan.capture`` says which path made the plan).
+            graph, and where capture fails plan over the ATen ops the eager step dispatches, graph
+            breaks and all (:mod:`planner.graph_break_plan`), else over submodule calls (one
+            warning names the failure); ``"graph-breaks"`` or ``"modules"``: that path directly
+            (``plan.capture`` says which path made the plan).
         max_stages: how many stages the graph is reduced to before the ILP.
         solver: None (default): segments-only stage models are solved exactly by dynamic
             programming over the stage chain, the rest (selective plans, the smallest peak) by
@@ -324,20 +284,16 @@ def optimize(
     if capture.trace_method == "modules":
         return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
                             step=capture.step)
+    if capture.trace_method == "graph-breaks":
+        return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
+                                 step=capture.step)
     if not isinstance(share_plan, bool):
         raise InputError(f"share_plan must be True or False, got {share_plan!r}")
     replan = Replanner(budget_gb, planning, capture, share_plan=share_plan)
     try:
         gm, plan, graph = replan(model, example_inputs)
     except TraceError as exc:
-        first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
-                    "trace_method='modules' skips the capture)", first_line)
-        try:
-            return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
-                                step=capture.step)
-        except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
-            raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from exc
+        return plan_without_capture(model, example_inputs, budget_gb, planning, timing_repeats, capture.step, exc)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
 

@@ -76,7 +76,9 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
     """The user's module with the submodules at ``checkpointed`` (module paths) run under
-    ``torch.utils.checkpoint`` in training; in eval mode, the user's module as it is.
+    ``torch.utils.checkpoint`` in training, and each run ``run:<first>..<last>``
+    (:mod:`profiling.module_runs`) from its first call's start to its last call's end as a range
+    of the ops it dispatches (:mod:`rewrite.op_regions`); in eval mode, the user's module as it is.
 
     Its module tree *is* the user's (``state_dict()`` keys and parameter objects are the
     model's own). ``plan`` is the plan the paths came from (``plan.capture == "modules"``),
@@ -90,7 +92,8 @@ class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
         object.__setattr__(self, "original", original)
         object.__setattr__(self, "_forward_signature", signature_of(original))
         for path in checkpointed:
-            original.get_submodule(path)  # a wrong path fails here, not in the first step
+            for part in (path.split("..") if path.startswith("run:") else (path,)):
+                original.get_submodule(part.removeprefix("run:"))  # a wrong path fails here, not in the first step
         self._modules = original._modules
         self._parameters = original._parameters
         self._buffers = original._buffers
@@ -109,15 +112,31 @@ class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
     def checkpoints_installed(self) -> Iterator[None]:
         """Each planned submodule's instance ``forward`` checkpointed while the context lasts (one
         training call of the model: what this module's forward, and ``planner.enable``, run)."""
+        from profiling.module_runs import run_span
+        from rewrite.op_regions import RegionRunner
+
         patched: list[tuple[torch.nn.Module, Any]] = []
+        runs = [span for path in self.checkpointed if (span := run_span(path)) is not None]
+        runner = RegionRunner(())
+        hooks = [hook for first, last in runs for hook in (
+            self.original.get_submodule(first).register_forward_pre_hook(lambda *_: runner.open_region()),
+            self.original.get_submodule(last).register_forward_hook(lambda *_: runner.close_region()))]
         try:
+            if runs:
+                runner.__enter__()
             for path in self.checkpointed:
+                if run_span(path) is not None:
+                    continue
                 module = self.original.get_submodule(path)
                 own = module.__dict__.get("forward")
                 patched.append((module, own))
                 module.forward = checkpointed_forward(module, own if own is not None else type(module).forward.__get__(module))
             yield
         finally:
+            if runs:
+                runner.__exit__(None, None, None)
+            for hook in hooks:
+                hook.remove()
             for module, own in reversed(patched):
                 if own is None:
                     del module.__dict__["forward"]

@@ -121,9 +121,9 @@ def _gpt2_case() -> tuple[nn.Module, dict[str, Any]]:
 
 
 CASES: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
-    "data_dependent": (lambda: _mlp_case(DataDependent), "export"),
-    "item": (lambda: _mlp_case(ItemShift), "export"),
-    "custom_function": (lambda: _mlp_case(CustomFunction), "export"),
+    "data_dependent": (lambda: _mlp_case(DataDependent), "modules"),
+    "item": (lambda: _mlp_case(ItemShift), "modules"),
+    "custom_function": (lambda: _mlp_case(CustomFunction), "modules"),
     "gpt2": (_gpt2_case, "modules"),
 }
 

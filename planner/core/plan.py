@@ -49,6 +49,8 @@ def describe_capture(capture: str) -> str:
     """
     if capture == "modules":
         return "modules (whole submodule calls checkpointed: coarser than a captured graph)"
+    if capture == "graph-breaks":
+        return "graph-breaks (the ATen ops the step dispatched, node by node; the Python between graph breaks runs as is)"
     return f"{capture} (the captured graph, node by node)"
 
 
@@ -130,9 +132,12 @@ class Plan:
     #: transformations of the captured graph that make it compute other than the user's module
     #: (each asked for by name, e.g. ``simplify_attention_masks``); empty: the user's computation
     computation_changes: tuple[str, ...] = ()
-    #: which path made the plan: ``"graph"`` (the captured FX graph, node by node) or
+    #: which path made the plan: ``"graph"`` (the captured FX graph, node by node),
+    #: ``"graph-breaks"`` (the ATen ops of a step with graph breaks, node by node) or
     #: ``"modules"`` (whole submodule calls, for models torch.export cannot capture: coarser)
     capture: str = "graph"
+    #: with ``capture == "graph-breaks"``: the stretches of ops between graph breaks
+    subgraphs: int = 1
     #: the rewritten step's peak measured at the allocator, where the plan was accepted on that
     #: measurement because its prediction sat above the budget's room (:mod:`planner.measured_fit`)
     measured_peak_bytes: int | None = None
@@ -200,7 +205,7 @@ class Plan:
               if self.offloaded else []),
             ("extra time", extra_time),
             ("extra FLOPs", f"{self.recompute_flops:.3e} ({self.recompute_flops / max(self.forward_flops, 1):.1%} "
-                            f"of the forward)" if self.capture == "graph" else "not counted (module path: time only)"),
+                            f"of the forward)" if self.capture != "modules" else "not counted (module path: time only)"),
             ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),
         ]
         if self.compile_graph_breaks is not None:
@@ -210,7 +215,8 @@ class Plan:
                 if self.measured_unoptimized_peak_bytes is not None else "")))
         rows.extend(("computation", f"CHANGED: {change}") for change in self.computation_changes)
         if self.capture != "graph":
-            rows.append(("capture", describe_capture(self.capture)))
+            count = f", {self.subgraphs} subgraphs" if self.capture == "graph-breaks" else ""
+            rows.append(("capture", describe_capture(self.capture) + count))
         width = max(len(label) for label, _ in rows) + 2
         lines = [f"{label:<{width}}{value}" for label, value in rows]
         for k, seg in enumerate(self.segments):

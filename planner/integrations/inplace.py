@@ -50,6 +50,7 @@ from planner.core.plan import GIB, Plan
 from planner.pipeline import optimize
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from rewrite.checkpointed_module import CheckpointedModule
+from rewrite.graph_breaks import BreakCheckpointedModule
 from rewrite.module_checkpoint import ModuleCheckpointedModule
 
 __all__ = ["enable", "disable", "is_enabled", "plan_of", "checkpointed_module_of", "check_enable_options"]
@@ -156,6 +157,9 @@ class _PlannedForward:
                     f"or call planner.disable(model) and planner.enable(model, ...) again")
             if isinstance(module, ModuleCheckpointedModule):  # the module path: the model's own forward,
                 with module.checkpoints_installed():          # its planned submodules checkpointed
+                    return self._unplanned()(*args, **kwargs)
+            if isinstance(module, BreakCheckpointedModule):  # the graph-break path: the model's own forward,
+                with module.checkpoints_installed(*args, **kwargs):  # its planned op ranges checkpointed
                     return self._unplanned()(*args, **kwargs)
             graph = module.training_graph_for(*args, **kwargs)
         finally:

@@ -1,0 +1,166 @@
+"""The graph-break path: plan a model ``torch.export`` cannot capture over the ATen ops its step runs.
+
+:func:`plan_graph_breaks` profiles the step op by op (:mod:`profiling.graph_breaks`: the Python
+between graph breaks runs as it is and shows only as opaque tensor entries), solves that
+:class:`CostGraph` with the same solvers and hand-placed candidates as the graph path
+(:func:`planner.pipeline.plan_for_budget`), and returns the model with the plan's op ranges
+checkpointed (:mod:`rewrite.graph_breaks`). Its step is measured: a plan measured above the
+budget is solved again holding the difference all step (up to ``MAX_TIGHTENINGS`` times).
+It needs torch; ``planner.pipeline`` imports it.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
+    >>> opt = plan_graph_breaks(model, (torch.randn(64, 32),), budget_gb=1.0, timing_repeats=1)
+    >>> opt.plan.capture, opt.plan.subgraphs, opt.regions
+    ('graph-breaks', 1, ())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from planner.core.costgraph import CostGraph, with_held_bytes
+from planner.core.errors import InfeasibleBudgetError, InputError
+from planner.core.options import PlanOptions, check_budget_gb
+from planner.core.plan import GIB, Plan
+
+__all__ = ["plan_graph_breaks", "graph_break_plan", "MAX_TIGHTENINGS", "MEASURED_FIT_TOLERANCE",
+           "MAX_MEASURED_CANDIDATES"]
+
+log = logging.getLogger(__name__)
+
+#: Times a plan measured above its budget is solved again with the overshoot held all step.
+MAX_TIGHTENINGS = 3
+
+#: A budget the prediction refuses by at most this share is tried on measured steps: the
+#: op-level replay holds some saved tensors a little longer than the allocator sees them.
+MEASURED_FIT_TOLERANCE = 0.15
+
+#: At most this many plans are measured for a budget the prediction refuses.
+MAX_MEASURED_CANDIDATES = 4
+
+
+def graph_break_plan(graph: CostGraph, budget_gb: float, options: PlanOptions = PlanOptions()) -> Plan:
+    """``graph`` (an op-stream profile) solved for ``budget_gb``, labelled with its capture.
+
+    Example:
+        >>> import torch
+        >>> from profiling.graph_breaks import profile_op_stream
+        >>> g = profile_op_stream(torch.nn.Linear(4, 4), (torch.randn(2, 4),), timing_repeats=1)
+        >>> graph_break_plan(g, 1.0).capture
+        'graph-breaks'
+    """
+    from planner.pipeline import plan_for_budget
+
+    plan = plan_for_budget(graph, budget_gb, dataclasses.replace(options, selective=False))
+    return dataclasses.replace(plan, capture="graph-breaks", subgraphs=int(graph.metadata.get("subgraphs", 1)),
+                               measured_unoptimized_peak_bytes=graph.measured_peak_bytes)
+
+
+def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
+                      timing_repeats: int = 2, step: Any = None) -> Any:
+    """Plan ``model`` over the ATen ops of its step for ``budget_gb`` and return the checkpointed
+    module (:class:`rewrite.graph_breaks.BreakCheckpointedModule`) whose measured step peak is
+    within the budget. Inputs of another shape are profiled and planned again on first use.
+
+    Raises:
+        InfeasibleBudgetError: no plan over the op stream fits; the message names the smallest
+            budget that does.
+    """
+    from profiling.measure import StepInputs, TrainingStep
+    from rewrite.graph_breaks import BreakCheckpointedModule, input_signature
+
+    step = step if step is not None else TrainingStep()
+    check_budget_gb(budget_gb)
+    if options.world_size != 1:
+        raise InputError(f"the graph-break path plans one process: world_size must be 1, got {options.world_size}")
+    inputs = StepInputs.from_example(example_inputs)
+    plan, regions, graph = _planned(model, inputs, budget_gb, options, timing_repeats, step)
+
+    def replan(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _planned(model, StepInputs(tuple(args), dict(kwargs)), budget_gb, options, timing_repeats, step)
+
+    return BreakCheckpointedModule(model, plan, regions, cost_graph=graph,
+                                   expected_ops=graph.metadata.get("op_names"),
+                                   signature=input_signature(inputs.args, inputs.kwargs), replan=replan)
+
+
+def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, timing_repeats: int,
+             step: Any) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
+    """The measured plan for ``inputs``: its op ranges and the profile it was solved on."""
+    from profiling.graph_breaks import profile_op_stream
+    from profiling.measure import measure_step_peak_bytes
+    from rewrite.graph_breaks import BreakCheckpointedModule, segment_regions
+
+    graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step)
+    log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured",
+             graph.metadata["model_ops"], graph.metadata["subgraphs"], (graph.measured_peak_bytes or 0) / GIB)
+    room_bytes = check_budget_gb(budget_gb) - options.reserve_bytes
+    expected = graph.metadata.get("op_names")
+
+    def measured(plan: Plan) -> tuple[tuple[tuple[int, int], ...], int]:
+        regions = segment_regions(plan)
+        probe = BreakCheckpointedModule(model, plan, regions, expected_ops=expected)
+        return regions, measure_step_peak_bytes(probe, inputs, step)
+
+    held_bytes = 0
+    for attempt in range(MAX_TIGHTENINGS + 1):
+        solved_on = with_held_bytes(graph, held_bytes) if held_bytes else graph
+        try:
+            plan = graph_break_plan(solved_on, budget_gb, options)
+        except InfeasibleBudgetError as refusal:
+            fitted = _fitting_on_measurement(graph, budget_gb, options, refusal, measured, room_bytes)
+            if fitted is None:
+                raise
+            return (*fitted, graph)
+        regions, peak_bytes = measured(plan)
+        if peak_bytes <= room_bytes:
+            log.info("graph-break plan: %d op ranges, measured peak %.4f GiB of %.4f GiB budget (predicted %.4f GiB)",
+                     len(regions), peak_bytes / GIB, budget_gb, plan.predicted_peak_bytes / GIB)
+            return dataclasses.replace(plan, measured_peak_bytes=peak_bytes), regions, graph
+        over = max(peak_bytes - plan.predicted_peak_bytes, peak_bytes - room_bytes, 1)
+        log.warning("graph-break plan measured %.4f GiB, above the %.4f GiB budget (predicted %.4f GiB): solving "
+                    "again with %.1f MiB more held (%d of %d)", peak_bytes / GIB, budget_gb,
+                    plan.predicted_peak_bytes / GIB, over / 2**20, attempt + 1, MAX_TIGHTENINGS)
+        held_bytes += over
+    raise InfeasibleBudgetError(check_budget_gb(budget_gb), peak_bytes + options.reserve_bytes,
+                                "the graph-break path's plans were measured above the budget",
+                                graph.measured_peak_bytes)
+
+
+def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOptions, refusal: InfeasibleBudgetError,
+                            measured: Any, room_bytes: int) -> tuple[Plan, tuple[tuple[int, int], ...]] | None:
+    """Where the prediction refuses the budget (it can sit above the allocator's figure), the
+    hand-placed plans (cheapest first) and the smallest-peak plan predicted within
+    :data:`MEASURED_FIT_TOLERANCE` of it, measured: the first whose step fits, else None."""
+    from planner.core.simulate import simulate
+    from planner.solvers.hand_policies import hand_placed_plans
+
+    budget_bytes = check_budget_gb(budget_gb)
+    if refusal.min_feasible_bytes > budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
+        return None
+    candidates: list[Plan] = []
+    for hand in sorted(hand_placed_plans(graph), key=lambda h: sum(s.recompute_flops for s in h.segments)):
+        if not any(s.kept_nodes for s in hand.segments) and \
+                simulate(graph, hand.segments).peak_bytes <= budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
+            candidates.append(Plan(budget_bytes, simulate(graph, hand.segments).peak_bytes,
+                                   refusal.unoptimized_peak_bytes or 0, hand.segments, graph.forward_ms,
+                                   graph.step_ms, graph.forward_flops, f"hand-placed (measured): {hand.name}", 0.0,
+                                   capture="graph-breaks", subgraphs=int(graph.metadata.get("subgraphs", 1)),
+                                   measured_unoptimized_peak_bytes=graph.measured_peak_bytes))
+    try:
+        smallest = graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
+        candidates.append(dataclasses.replace(smallest, budget_bytes=budget_bytes))
+    except InfeasibleBudgetError:
+        log.debug("no plan at the solver's own smallest budget")
+    for plan in candidates[:MAX_MEASURED_CANDIDATES]:
+        regions, peak_bytes = measured(plan)
+        if peak_bytes <= room_bytes:
+            log.info("graph-break plan: %s, predicted %.4f GiB, measured %.4f GiB of %.4f GiB budget", plan.solver,
+                     plan.predicted_peak_bytes / GIB, peak_bytes / GIB, budget_gb)
+            return dataclasses.replace(plan, measured_peak_bytes=peak_bytes), regions
+        log.debug("%s: measured %d bytes, above the room of %d", plan.solver, peak_bytes, room_bytes)
+    return None

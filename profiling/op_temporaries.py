@@ -1,0 +1,103 @@
+"""Measure each dispatched op's forward and backward peak allocation in one eager training step.
+
+The graph-break profile (:mod:`profiling.graph_breaks`) names the k-th op the model dispatches
+``op<k>_<name>``. One step runs under ``torch.profiler`` with ``profile_memory=True`` and each
+op wrapped in a ``record_function`` range, so its forward window is that range; the autograd
+sequence numbers created between the end of the previous op and the end of this one are its
+autograd nodes, whose ``evaluate_function`` events in the backward are its backward window. A
+window's peak is the highest running allocation total inside it minus the total at its start,
+as :mod:`profiling.temporaries` measures the nodes of a captured graph.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    >>> from profiling.measure import StepInputs
+    >>> fwd, bwd = measure_op_peaks(model, StepInputs.from_example((torch.randn(4, 8),)))
+    >>> fwd[2] >= 4 * 8 * 4, 1 in bwd
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from profiling.measure import StepInputs, TrainingStep, allocation_events, memory_profile, preserved_state
+from profiling.temporaries import _walk
+from rewrite.op_regions import UNCOUNTED_OPS
+
+__all__ = ["measure_op_peaks"]
+
+_PREFIX = "opnode::"
+_BACKWARD = "autograd::engine::evaluate_function:"
+
+
+class _Labelled(TorchDispatchMode):
+    """Wraps each counted op of the forward in a profiler range and notes its sequence numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.sequences: list[tuple[int, int, int]] = []
+        self._since = int(torch._C._autograd._get_sequence_nr())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if str(func) in UNCOUNTED_OPS:
+            return func(*args, **kwargs)
+        index = self.count
+        self.count += 1
+        with torch.profiler.record_function(f"{_PREFIX}{index}"):
+            out = func(*args, **kwargs)
+        now = int(torch._C._autograd._get_sequence_nr())
+        self.sequences.append((self._since, now, index))
+        self._since = now
+        return out
+
+
+def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
+                     step: TrainingStep = TrainingStep()) -> tuple[dict[int, int], dict[int, int]]:
+    """Per model op index, the bytes allocated at its forward's and its backward's high point."""
+    labels = _Labelled()
+    with preserved_state(model), memory_profile() as prof:
+        with labels:
+            output = model(*inputs.args, **inputs.kwargs)
+        loss = step.loss(output)
+        if not step.output_held:
+            output = None
+        loss.backward()
+        del output, loss
+    events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
+    allocations = allocation_events(prof, "cpu" if not torch.cuda.is_available() else "cuda")
+    times = [t for t, _ in allocations]
+    running: list[int] = []
+    total = 0
+    for _, delta in allocations:
+        total += delta
+        running.append(total)
+
+    def peak_in(start_ns: int, end_ns: int) -> int:
+        lo, hi = bisect.bisect_left(times, start_ns), bisect.bisect_right(times, end_ns)
+        before = running[lo - 1] if lo > 0 else 0
+        return max(0, max(running[lo:hi]) - before) if hi > lo else 0
+
+    forward: dict[int, int] = {}
+    for event in events:
+        if event.name.startswith(_PREFIX):
+            forward[int(event.name[len(_PREFIX):])] = peak_in(event.start_time_ns, event.end_time_ns)
+    starts = [lo for lo, _, _ in labels.sequences]
+    windows: dict[int, tuple[int, int]] = {}
+    for event in events:
+        if not event.name.startswith(_BACKWARD):
+            continue
+        seq = getattr(event.extra_fields, "sequence_number", -1)
+        at = bisect.bisect_right(starts, seq) - 1 if seq is not None and seq >= 0 else -1
+        if at < 0 or not labels.sequences[at][0] <= seq < labels.sequences[at][1]:
+            continue
+        index = labels.sequences[at][2]
+        lo, hi = windows.get(index, (event.start_time_ns, event.end_time_ns))
+        windows[index] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
+    return forward, {index: peak_in(lo, hi) for index, (lo, hi) in windows.items()}

@@ -1,0 +1,181 @@
+"""The graph-break path: models torch.export cannot capture, planned over the ATen ops of their step."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner import optimize
+from planner.graph_break_plan import plan_graph_breaks
+from profiling.graph_breaks import profile_op_stream
+from profiling.measure import StepInputs, measure_step_flops, measure_step_peak_bytes
+from rewrite.graph_breaks import BreakCheckpointedModule
+from rewrite.op_regions import RegionRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from graph_break_models import build  # noqa: E402
+
+
+def _step(module, params, x, seed=5):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = module(x).sum()
+    loss.backward()
+    return loss.detach().clone(), [p.grad.clone() for p in params]
+
+
+def _same(a, b):
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def _op_count(model, x):
+    with RegionRunner(()) as runner:
+        model(x)
+    return runner.op_count
+
+
+@pytest.mark.parametrize("name", ["item_branch", "nonzero_moe", "numpy_scale", "data_loop"])
+def test_any_op_ranges_replay_bit_for_bit(name):
+    """Whole forward, halves, and short ranges that cut layers and breaks anywhere."""
+    model, (x,) = build(name, width=16, tokens=64, layers=3)
+    params = list(model.parameters())
+    reference = _step(model, params, x)
+    torch.manual_seed(5)
+    n = _op_count(model, x)
+    for regions in [((0, n - 1),), ((0, n // 2), (n // 2 + 1, n - 1)), tuple((i, i + 4) for i in range(1, n - 5, 6))]:
+        planned = BreakCheckpointedModule(model, None, regions)
+        assert _same(reference, _step(planned, params, x)), regions
+        assert sum(r.replayed_ops for r in planned.last_runner.opened) > 0  # the backward replayed ops
+
+
+def test_a_range_recomputes_what_it_saved_and_frees_it_in_the_forward():
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    inputs = StepInputs.from_example((x,))
+    n = _op_count(model, x)
+    quarters = BreakCheckpointedModule(model, None, tuple((k * n // 4, (k + 1) * n // 4 - 1) for k in range(4)))
+    assert measure_step_peak_bytes(quarters, inputs) < 0.8 * measure_step_peak_bytes(model, inputs)
+    assert measure_step_flops(quarters, inputs) > measure_step_flops(model, inputs)
+
+
+def test_batch_norm_statistics_and_python_side_effects_happen_once():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.bn = torch.nn.BatchNorm1d(8)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.bn(self.lin(x))
+            if h.mean().item() > -10:  # a break between the two halves
+                h = torch.tanh(h)
+            return self.bn(h * 2)
+
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(16, 8)
+    reference = copy.deepcopy(model)
+    n = _op_count(copy.deepcopy(model), x)
+    planned = BreakCheckpointedModule(model, None, ((0, n - 1),))
+    for module in (reference, planned):
+        torch.manual_seed(1)
+        module(x).sum().backward()
+    assert model.calls == 1 and model.bn.num_batches_tracked.item() == reference.bn.num_batches_tracked.item() == 2
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    assert torch.equal(model.bn.running_var, reference.bn.running_var)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_range_that_writes_a_tensor_it_read_keeps_its_saved_tensors():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    buf = torch.zeros(4, 8)
+    with RegionRunner(((0, 5),)) as runner:
+        y = torch.tanh(x @ w)
+        z = torch.tanh(y + buf)
+        buf.add_(1.0)  # the range writes a tensor it read: a replay would read the new value
+        z = torch.tanh(z)
+    z.sum().backward()
+    assert any(r.hold_reason for r in runner.opened)
+    grad = w.grad.clone()
+    w.grad = None
+    buf.zero_()
+    torch.tanh(torch.tanh(torch.tanh(x @ w) + buf)).sum().backward()
+    assert torch.equal(grad, w.grad)
+
+
+def test_the_profile_counts_breaks_and_python_made_tensors():
+    model, (x,) = build("item_branch", width=16, tokens=32, layers=3)
+    graph = profile_op_stream(model, (x,), timing_repeats=1)
+    assert graph.metadata["capture"] == "graph-breaks" and graph.metadata["subgraphs"] == 4  # one .item() a layer
+    numpy_model, (x,) = build("numpy_scale", width=16, tokens=32, layers=2)
+    graph = profile_op_stream(numpy_model, (x,), timing_repeats=1)
+    entries = [n for n in graph.compute_nodes if n.op == "aten.lift_fresh.default"]  # torch.from_numpy
+    assert len(entries) == 2 and graph.metadata["subgraphs"] == 3
+    assert graph.measured_peak_bytes == measure_step_peak_bytes(numpy_model, StepInputs.from_example((x,)))
+
+
+def test_optimize_plans_an_uncapturable_model_through_its_breaks():
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    inputs = StepInputs.from_example((x,))
+    peak_bytes = measure_step_peak_bytes(model, inputs)
+    reference = _step(model, list(model.parameters()), x)
+    opt = optimize(model, (x,), budget_gb=0.5 * peak_bytes / 2**30, timing_repeats=1)
+    assert isinstance(opt, BreakCheckpointedModule) and opt.plan.capture == "graph-breaks"
+    assert opt.plan.subgraphs == 5 and "graph-breaks" in opt.plan.summary()
+    assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
+    assert _same(reference, _step(opt, list(model.parameters()), x))
+    assert list(opt.state_dict()) == list(model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.plan == opt.plan and loaded.regions == opt.regions
+    assert _same(_step(loaded.original, list(loaded.parameters()), x), _step(loaded, list(loaded.parameters()), x))
+
+
+@pytest.mark.slow
+def test_other_shapes_are_planned_again_and_other_branches_stay_exact():
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example((x,)))
+    opt = plan_graph_breaks(model, (x,), 0.6 * peak_bytes / 2**30, timing_repeats=1)
+    params = list(model.parameters())
+    other = torch.randn(256, 32) * 3 - 1  # another shape, other branches
+    assert _same(_step(model, params, other), _step(opt, params, other))
+    assert len(opt._plans) == 2
+    assert measure_step_peak_bytes(opt, StepInputs.from_example((other,))) <= 0.6 * peak_bytes
+    flipped = -x  # the example's shape: the plan is reused, its ranges guarded op by op
+    assert _same(_step(model, params, flipped), _step(opt, params, flipped))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["item_branch", "nonzero_moe", "numpy_scale", "data_loop"])
+def test_each_break_cause_plans_at_half_its_peak_bit_for_bit(name):
+    model, (x,) = build(name, width=32, tokens=512, layers=4)
+    inputs = StepInputs.from_example((x,))
+    peak_bytes = measure_step_peak_bytes(model, inputs)
+    reference = _step(model, list(model.parameters()), x)
+    opt = optimize(model, (x,), budget_gb=0.5 * peak_bytes / 2**30, timing_repeats=1)
+    assert opt.plan.capture == "graph-breaks"
+    assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
+    assert _same(reference, _step(opt, list(model.parameters()), x))
+
+
+def test_the_module_path_checkpoints_a_loop_body_over_several_lists_as_one_run():
+    """Each call alone (a LayerNorm, a Linear) saves about what it holds anyway; the loop body
+    ln[i], fc1[i], fc2[i] with the Python between them, checkpointed as one unit, meets half the peak."""
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    inputs = StepInputs.from_example((x,))
+    peak_bytes = measure_step_peak_bytes(model, inputs)
+    reference = _step(model, list(model.parameters()), x)
+    opt = optimize(model, (x,), budget_gb=0.5 * peak_bytes / 2**30, trace_method="modules", timing_repeats=1)
+    assert opt.plan.capture == "modules" and opt.checkpointed
+    assert set(opt.checkpointed) <= {f"run:ln.{i}..fc2.{i}" for i in range(4)}
+    assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
+    assert _same(reference, _step(opt, list(model.parameters()), x))
