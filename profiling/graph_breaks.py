@@ -39,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.core.costgraph import CostGraph, CostNode, Storage
 from rewrite.op_regions import UNCOUNTED_OPS
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
-from profiling.module_costgraph import _calibrated
+from profiling.module_costgraph import calibrated
 from profiling.op_temporaries import measure_op_peaks
 from profiling.op_times import time_ops
 
@@ -250,7 +250,7 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
             record.backward_peak_bytes = backward_peaks.get(record.index, 0)
     graph = _cost_graph(first, persistent, step, step_ms, peak_bytes)
 
-    return _calibrated(graph)
+    return calibrated(graph)
 
 
 def _cost_graph(rec: _Recorder, persistent: dict[int, str], step: TrainingStep, step_ms: float,

@@ -90,10 +90,10 @@ def module_cost_graph(profile: ModuleProfile) -> CostGraph:
                       step_ms=profile.step_ms, measured_peak_bytes=profile.measured_peak_bytes,
                       output_held=profile.output_held,
                       metadata={"capture": "modules"})
-    return _calibrated(graph)
+    return calibrated(graph)
 
 
-def _calibrated(graph: CostGraph) -> CostGraph:
+def calibrated(graph: CostGraph) -> CostGraph:
     """``graph`` with the measured unoptimized peak's bytes that the replay misses (temporaries
     the hooks cannot see) added at the node where the replay peaks, as that node's forward or
     backward temporaries: they then count where that node runs, not all step. Where that cannot

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiling.measure import StepInputs, TrainingStep, allocation_events, memory_profile, preserved_state
-from profiling.temporaries import _walk
+from profiling.temporaries import walk_events
 from rewrite.op_regions import UNCOUNTED_OPS
 
 __all__ = ["measure_op_peaks"]
@@ -70,7 +70,7 @@ def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
             output = None
         loss.backward()
         del output, loss
-    events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
+    events = walk_events(list(prof.profiler.kineto_results.experimental_event_tree()))
     allocations = allocation_events(prof, "cpu" if not torch.cuda.is_available() else "cuda")
     times = [t for t, _ in allocations]
     running: list[int] = []

@@ -59,7 +59,7 @@ class _LabelledInterpreter(torch.fx.Interpreter):
             return super().run_node(n)
 
 
-def _walk(roots: list[Any]) -> list[Any]:
+def walk_events(roots: list[Any]) -> list[Any]:
     out, stack = [], list(roots)
     while stack:
         node = stack.pop()
@@ -98,7 +98,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
     device_type = device_of(gm, inputs).type
     step_peak_bytes = profiled_step_peak_bytes(gm, inputs, prof) if device_type == "cpu" else None
 
-    events = _walk(list(prof.profiler.kineto_results.experimental_event_tree()))
+    events = walk_events(list(prof.profiler.kineto_results.experimental_event_tree()))
     allocations = allocation_events(prof, device_type)
     times = [t for t, _ in allocations]
     running: list[int] = []
@@ -121,7 +121,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
         if event.name.startswith(_PREFIX):
             name = event.name[len(_PREFIX):]
             forward[name] = peak_in(event.start_time_ns, event.end_time_ns)
-            for child in _walk(list(event.children)):
+            for child in walk_events(list(event.children)):
                 seq = getattr(child.extra_fields, "sequence_number", -1)
                 if seq is not None and seq >= 0:
                     node_of_sequence.setdefault(seq, name)

@@ -48,7 +48,7 @@ from planner.core.plan import Segment
 from planner.core.rerun import rerun_cost
 
 if TYPE_CHECKING:  # pragma: no cover
-    from planner.core.simulate import _Memory
+    from planner.core.simulate import MemoryAccount
 
 __all__ = ["OffloadSpec", "HOST_LINKS", "OffloadSimulation", "Transfers", "simulate_offload",
            "offloadable_nodes", "backward_ratio"]
@@ -186,7 +186,7 @@ def offloadable_nodes(graph: CostGraph, segments: Iterable[Sequence[str] | Segme
 
 
 class Transfers:
-    """The copies of one replay: called by :func:`planner.core.simulate._replay` where it would
+    """The copies of one replay: called by :func:`planner.core.simulate.replay_plan` where it would
     hold a saved storage, after each forward node, and around each backward node.
 
     ``storages_by_node``: what each offloaded node moves, together, back before the first
@@ -274,7 +274,7 @@ class Transfers:
             out[name] = graph.nodes[chosen].name
         return out
 
-    def take_hold(self, mem: _Memory, k: int, i: int) -> bool:
+    def take_hold(self, mem: MemoryAccount, k: int, i: int) -> bool:
         """Count a forward-to-backward hold of ``k`` at node ``i``; False where ``k`` stays."""
         if k not in self.sizes:
             return False
@@ -294,7 +294,7 @@ class Transfers:
                 self.host_bytes += self.sizes[k]
                 self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
 
-    def _land_copies(self, mem: _Memory) -> None:
+    def _land_copies(self, mem: MemoryAccount) -> None:
         still = []
         for k in self.pending_d2h:
             if self.d2h_done[k] <= self.clock_ms:
@@ -303,13 +303,13 @@ class Transfers:
                 still.append(k)
         self.pending_d2h = still
 
-    def forward_done(self, mem: _Memory, i: int) -> None:
+    def forward_done(self, mem: MemoryAccount, i: int) -> None:
         """Node ``i``'s forward has run: queue the copies it packed, land those that are done."""
         self.clock_ms += self.graph.nodes[i].time_ms
         self._queue_copies(i)
         self._land_copies(mem)
 
-    def _fetch(self, mem: _Memory, name: str) -> None:
+    def _fetch(self, mem: MemoryAccount, name: str) -> None:
         done = self.clock_ms
         for k in self.storages_by_node[name]:
             holds = self.holds.get(k, 0)
@@ -328,7 +328,7 @@ class Transfers:
             self.h2d_free_ms = done = start + self.spec.h2d_ms(self.sizes[k])
         self.fetched[name] = done
 
-    def backward_needs(self, mem: _Memory, i: int) -> None:
+    def backward_needs(self, mem: MemoryAccount, i: int) -> None:
         """Node ``i``'s backward is next: issue the fetches it triggers; what it needs must be
         back, and the compute waits for it."""
         self._land_copies(mem)
@@ -344,7 +344,7 @@ class Transfers:
                 self.clock_ms = ready
             self.host_bytes -= sum(self.sizes[k] for k in self.storages_by_node[name] if k in self.d2h_done)
 
-    def backward_done(self, mem: _Memory, i: int, recomputed_segment: int | None) -> None:
+    def backward_done(self, mem: MemoryAccount, i: int, recomputed_segment: int | None) -> None:
         """Node ``i``'s backward has run (after its segment's recompute, where it ran one)."""
         self.clock_ms += self.graph.nodes[i].time_ms * self.ratio
         if recomputed_segment is not None:
@@ -382,15 +382,15 @@ def simulate_offload(graph: CostGraph, segments: Iterable[Sequence[str] | Segmen
         >>> simulate_offload(g, (), ("a",), OffloadSpec(1.0, 1.0)).offloaded_bytes   # the loss is held
         0
     """
-    from planner.core.simulate import _AboveLimit, _Memory, _persistent_bytes, _replay
+    from planner.core.simulate import AboveLimit, MemoryAccount, persistent_bytes, replay_plan
 
     seg_list = list(segments)
     storages = _storages_of(graph, seg_list, offloaded)
     transfers = Transfers(graph, seg_list, storages, spec, triggers)
-    mem = _Memory(_persistent_bytes(graph), limit_bytes=limit_bytes)
+    mem = MemoryAccount(persistent_bytes(graph), limit_bytes=limit_bytes)
     try:
-        _replay(graph, seg_list, mem, transfers)
-    except _AboveLimit:
+        replay_plan(graph, seg_list, mem, transfers)
+    except AboveLimit:
         pass
     return OffloadSimulation(
         peak_bytes=mem.peak_bytes, peak_phase=mem.peak_at[0], peak_node=mem.peak_at[1],

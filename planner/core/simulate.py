@@ -89,14 +89,14 @@ def validate_segments(graph: CostGraph, segments: Iterable[Sequence[str]]) -> li
     return out
 
 
-class _AboveLimit(Exception):
-    """Raised by :meth:`_Memory.observe` at the first moment above the replay's limit."""
+class AboveLimit(Exception):
+    """Raised by :meth:`MemoryAccount.observe` at the first moment above the replay's limit."""
 
 
-class _Memory:
+class MemoryAccount:
     """Reference-counted live storages and the running total.
 
-    With ``limit_bytes`` the replay stops (:class:`_AboveLimit`) at the first moment above it;
+    With ``limit_bytes`` the replay stops (:class:`AboveLimit`) at the first moment above it;
     with ``record_timeline=False`` no timeline is kept.
     """
 
@@ -144,7 +144,7 @@ class _Memory:
             self.peak_bytes = now
             self.peak_at = (phase, node)
             if now > self.limit_bytes:
-                raise _AboveLimit
+                raise AboveLimit
 
 
 def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> SimulationResult:
@@ -156,8 +156,8 @@ def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ())
     outputs of its ``kept_nodes`` are kept from the forward (held until the segment's recompute
     hands them to the backward) and those nodes are not re-run.
     """
-    mem = _Memory(_persistent_bytes(graph))
-    _replay(graph, segments, mem)
+    mem = MemoryAccount(persistent_bytes(graph))
+    replay_plan(graph, segments, mem)
     assert mem.timeline is not None
     return SimulationResult(
         peak_bytes=mem.peak_bytes,
@@ -184,12 +184,12 @@ def fits_budget(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], b
         >>> simulate(g).peak_bytes, fits_budget(g, (), 300), fits_budget(g, (), 299)
         (300, True, False)
     """
-    mem = _Memory(_persistent_bytes(graph), limit_bytes=budget_bytes, record_timeline=False)
+    mem = MemoryAccount(persistent_bytes(graph), limit_bytes=budget_bytes, record_timeline=False)
     if mem.peak_bytes > budget_bytes:
         return False
     try:
-        _replay(graph, segments, mem)
-    except _AboveLimit:
+        replay_plan(graph, segments, mem)
+    except AboveLimit:
         return False
     return True
 
@@ -199,8 +199,8 @@ PEAK_KINDS = ("parameters and buffers", "inputs", "parameter gradients", "activa
               "temporaries")
 
 
-class _PeakSnapshot(_Memory):
-    """A :class:`_Memory` that remembers what was live at its peak (for :func:`peak_by_kind`)."""
+class _PeakSnapshot(MemoryAccount):
+    """A :class:`MemoryAccount` that remembers what was live at its peak (for :func:`peak_by_kind`)."""
 
     def __init__(self, base_bytes: int) -> None:
         super().__init__(base_bytes)
@@ -230,8 +230,8 @@ def peak_by_kind(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] =
         >>> {kind: size for kind, size in peak_by_kind(g).items() if size}
         {'inputs': 100, 'activations': 100, 'activation gradients': 100}
     """
-    mem = _PeakSnapshot(_persistent_bytes(graph))
-    _replay(graph, segments, mem)
+    mem = _PeakSnapshot(persistent_bytes(graph))
+    replay_plan(graph, segments, mem)
     out = dict.fromkeys(PEAK_KINDS, 0)
     sizes = graph.storage_by_key
     inputs = {k for n in graph.nodes if n.kind == "input" for k in n.output_storages}
@@ -247,12 +247,12 @@ def peak_by_kind(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] =
     return out
 
 
-def _persistent_bytes(graph: CostGraph) -> int:
+def persistent_bytes(graph: CostGraph) -> int:
     sizes = graph.storage_by_key
     return sum(sizes[k].size_bytes for k in graph.replay_facts.persistent)
 
 
-def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: _Memory,
+def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: MemoryAccount,
             transfers: Transfers | None = None) -> None:
     """Run the forward and backward of :func:`simulate` on ``mem``; ``transfers`` (where given)
     takes the forward-to-backward holds of the storages it moves to host memory
@@ -388,7 +388,7 @@ def _replay(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], mem: 
 
 
 def _release_saved(saved: Iterable[int], s: int | None, recomputed: set[int], cached: list[set[int]],
-                   mem: _Memory) -> None:
+                   mem: MemoryAccount) -> None:
     """Drop a node's hold on what it saved for backward, once its backward is done."""
     for k in saved:
         if s is None:
@@ -398,7 +398,7 @@ def _release_saved(saved: Iterable[int], s: int | None, recomputed: set[int], ca
 
 
 def _recompute(
-    graph: CostGraph, idx: list[int], inputs: set[int], cached: set[int], persistent: set[int], mem: _Memory
+    graph: CostGraph, idx: list[int], inputs: set[int], cached: set[int], persistent: set[int], mem: MemoryAccount
 ) -> None:
     """Re-run a segment's forward into fresh storages, up to its last saving node.
 
