@@ -37,12 +37,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planner.bounds.reach import COVERING_TIME_LIMIT_S, recompute_bound
+from planner.check import baseline_from, baseline_key, check_same_model, compare, junit_xml, parse_tolerance
+from planner.check import read_baseline, render_check, stem_key, write_baseline
 from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
 from planner.cli_messages import command_logging, for_the_command_line
+from planner.core.costgraph import protect_reads_before_writes
 from planner.core.errors import InfeasibleBudgetError, PlannerError
 from planner.core.options import PlanOptions
 from planner.core.units import GIB
+from planner.plot import plot_report
+from planner.report import build_report, render
+from planner.sweep import sweep
+
+# torch (profiling/, rewrite/, planner.pipeline) is imported inside the commands that run a model:
+# usage errors and --help answer at once, and `report` on a saved profile needs no torch.
 
 __all__ = ["main", "load_entry_point"]
 
@@ -162,8 +172,6 @@ def _captured(module: Any, inputs: Any, args: argparse.Namespace) -> Any:
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    from planner.check import baseline_from, baseline_key, check_same_model, compare, junit_xml, parse_tolerance
-    from planner.check import read_baseline, render_check, stem_key, write_baseline
     from planner.pipeline import plan_for_budget
     from profiling.profile import profile_graph
 
@@ -234,8 +242,6 @@ def _report_command(args: argparse.Namespace) -> int:
 
     from planner.loss_chunking import loss_chunk_floors, plan_choosing_loss_chunks
     from planner.pipeline import plan_for_budget
-    from planner.report import build_report, render
-    from planner.sweep import sweep
     from profiling.profile import profile_graph
 
     if args.plot and not str(args.plot).lower().endswith(".png"):
@@ -279,17 +285,12 @@ def _report_command(args: argparse.Namespace) -> int:
              if args.sweep else [])
     bound = None
     if not args.no_bound:
-        from planner.core.costgraph import protect_reads_before_writes
-        from planner.bounds.reach import COVERING_TIME_LIMIT_S, recompute_bound
-
         bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
                                 time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)
     report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound, loss_chunk_floors=floors,
                           unoptimized_graph=plain_graph)
     sys.stdout.write(render(report, args.format))
     if args.plot:
-        from planner.plot import plot_report
-
         plot_report(report, args.plot)
     return EXIT_OK
 

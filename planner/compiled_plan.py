@@ -43,6 +43,7 @@ from profiling.measure import StepInputs, TrainingStep
 from rewrite.compiled import COMPILED_STEP, CompiledStep, compiled_step_peak_bytes
 from rewrite.attach import attach_to_user_modules
 from rewrite.segments import apply_plan, module_copy
+from rewrite.compiled import COMPILE_BACKEND, check_compile_available
 
 __all__ = ["compile_backend_of", "plan_compiled"]
 
@@ -69,8 +70,6 @@ def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_lo
         ...
         planner.core.errors.InputError: compile=True does not take selective=True: a selective policy's markers do not run inside a compiled graph; pass selective=False
     """
-    from rewrite.compiled import COMPILE_BACKEND, check_compile_available
-
     if compile is False:
         return None
     if compile is not True and (not isinstance(compile, str) or not compile):

@@ -26,6 +26,12 @@ from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.core.simulate import simulate
+from planner.budget_plan import plan_for_budget
+from planner.solvers.hand_policies import hand_placed_plans
+from profiling.graph_breaks import profile_op_stream
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
+from rewrite.graph_breaks import BreakCheckpointedModule, input_signature, segment_regions
 
 __all__ = ["plan_graph_breaks", "graph_break_plan", "MAX_TIGHTENINGS", "MEASURED_FIT_TOLERANCE",
            "MAX_MEASURED_CANDIDATES"]
@@ -53,8 +59,6 @@ def graph_break_plan(graph: CostGraph, budget_gb: float, options: PlanOptions = 
         >>> graph_break_plan(g, 1.0).capture
         'graph-breaks'
     """
-    from planner.pipeline import plan_for_budget
-
     plan = plan_for_budget(graph, budget_gb, dataclasses.replace(options, selective=False))
     return dataclasses.replace(plan, capture="graph-breaks", subgraphs=int(graph.metadata.get("subgraphs", 1)),
                                measured_unoptimized_peak_bytes=graph.measured_peak_bytes)
@@ -70,9 +74,6 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
         InfeasibleBudgetError: no plan over the op stream fits; the message names the smallest
             budget that does.
     """
-    from profiling.measure import StepInputs, TrainingStep
-    from rewrite.graph_breaks import BreakCheckpointedModule, input_signature
-
     step = step if step is not None else TrainingStep()
     check_budget_gb(budget_gb)
     if options.world_size != 1:
@@ -91,10 +92,6 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
 def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, timing_repeats: int,
              step: Any) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
     """The measured plan for ``inputs``: its op ranges and the profile it was solved on."""
-    from profiling.graph_breaks import profile_op_stream
-    from profiling.measure import measure_step_peak_bytes
-    from rewrite.graph_breaks import BreakCheckpointedModule, segment_regions
-
     graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step)
     log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured",
              graph.metadata["model_ops"], graph.metadata["subgraphs"], (graph.measured_peak_bytes or 0) / GIB)
@@ -136,9 +133,6 @@ def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOpt
     """Where the prediction refuses the budget (it can sit above the allocator's figure), the
     hand-placed plans (cheapest first) and the smallest-peak plan predicted within
     :data:`MEASURED_FIT_TOLERANCE` of it, measured: the first whose step fits, else None."""
-    from planner.core.simulate import simulate
-    from planner.solvers.hand_policies import hand_placed_plans
-
     budget_bytes = check_budget_gb(budget_gb)
     if refusal.min_feasible_bytes > budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
         return None

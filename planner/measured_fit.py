@@ -38,6 +38,8 @@ from typing import Any
 from planner.core.errors import InfeasibleBudgetError
 from planner.core.options import PlanOptions
 from planner.core.plan import GIB, Plan
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
+from rewrite.segments import apply_plan, module_copy
 
 __all__ = ["MEASURED_FIT_TOLERANCE", "plan_fitting_on_measurement"]
 
@@ -63,9 +65,6 @@ def plan_fitting_on_measurement(gm: Any, example_inputs: Any, refusal: Infeasibl
     with gradients already held. ``step`` (a :class:`profiling.measure.TrainingStep`; None: the
     default) is the training step measured.
     """
-    from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
-    from rewrite.segments import apply_plan, module_copy
-
     if grads_held or options.world_size > 1:
         return None
     reserve_bytes = options.reserve_bytes

@@ -29,6 +29,14 @@ from planner.core.errors import InfeasibleBudgetError
 from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
 from planner.core.units import MIB
+from planner.core.plan import Segment
+from planner.core.simulate import simulate
+from planner.budget_plan import plan_for_budget
+from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
+from profiling.module_costgraph import module_cost_graph
+from profiling.module_profile import profile_modules
+from profiling.module_runs import with_runs
+from rewrite.module_checkpoint import ModuleCheckpointedModule
 
 __all__ = ["plan_modules", "MAX_TIGHTENINGS"]
 
@@ -65,12 +73,6 @@ def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: Pla
         InfeasibleBudgetError: no plan over the model's submodule calls fits; the message names
             the smallest budget the module path met.
     """
-    from planner.pipeline import plan_for_budget
-    from profiling.measure import StepInputs, TrainingStep
-    from profiling.module_costgraph import module_cost_graph
-    from profiling.module_profile import profile_modules
-    from profiling.module_runs import with_runs
-
     step = step if step is not None else TrainingStep()
     budget_bytes = check_budget_gb(budget_gb)
     room_bytes = budget_bytes - options.reserve_bytes
@@ -98,9 +100,6 @@ def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: Pla
 
 def _applied(model: Any, inputs: Any, graph: CostGraph, plan: Plan, step: Any) -> tuple[Any, int]:
     """The checkpointed module for ``plan`` and its measured step peak."""
-    from profiling.measure import measure_step_peak_bytes
-    from rewrite.module_checkpoint import ModuleCheckpointedModule
-
     plan = dataclasses.replace(plan, capture="modules")
     opt = ModuleCheckpointedModule(model, plan, _checkpointed_paths(graph, plan), cost_graph=graph)
     return opt, measure_step_peak_bytes(opt, inputs, step)
@@ -108,9 +107,6 @@ def _applied(model: Any, inputs: Any, graph: CostGraph, plan: Plan, step: Any) -
 
 def _every_unit_plan(graph: CostGraph, budget_bytes: int) -> Plan:
     """Every checkpointable unit checkpointed, as a plan of ``graph``."""
-    from planner.core.plan import Segment
-    from planner.core.simulate import simulate
-
     units = [n for n in graph.compute_nodes if n.recomputable]
     segments = tuple(Segment((n.name,), n.time_ms, n.flops) for n in units)
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=simulate(graph, segments).peak_bytes,
@@ -126,8 +122,6 @@ def _smallest_fitting(model: Any, inputs: Any, graph: CostGraph, options: PlanOp
     overestimate; measured, that plan may fit) or every unit checkpointed, whichever is measured
     within the budget first. Otherwise :class:`InfeasibleBudgetError` naming the budget that
     holds the lower of their measured peaks: passed back, one of the two fits it."""
-    from planner.pipeline import plan_for_budget
-
     candidates: list[Plan] = []
     if exc is not None:
         try:

@@ -17,34 +17,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from planner.core.costgraph import (
-    CostGraph,
-    hold_parameter_grads,
-    protect_reads_before_writes,
-    shard_parameters,
-    with_held_bytes,
-)
-from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError, TraceError
+from planner.budget_plan import plan_for_budget
+from planner.capture_options import CaptureOptions
+from planner.closed_loop import measured_plan
+from planner.compiled_plan import compile_backend_of, plan_compiled
+from planner.core.costgraph import CostGraph, with_held_bytes
+from planner.core.errors import InfeasibleBudgetError, InputError, TraceError
 from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb,
                                   check_offload_device)
 from planner.core.plan import GIB, Plan
-from planner.core.simulate import simulate
-from planner.closed_loop import measured_plan
-from planner.compiled_plan import compile_backend_of, plan_compiled
-from planner.measured_fit import plan_fitting_on_measurement
 from planner.graph_break_plan import plan_graph_breaks
-from planner.capture_options import CaptureOptions
+from planner.measured_fit import plan_fitting_on_measurement
 from planner.module_plan import plan_modules
-from planner.uncaptured import plan_without_capture
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
-from planner.solvers.hand_policies import hand_placed_within_noise
-from planner.solvers.offload import offload_plan
-from planner.solvers.solve import solve
+from planner.uncaptured import plan_without_capture
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from profiling.progress import heartbeat
@@ -52,71 +42,13 @@ from profiling.trace import trace_module
 from profiling.validate import check_model_and_inputs
 from rewrite.apply import CheckpointedModule, apply_plan
 from rewrite.segments import module_copy
+from planner.loss_chunking import is_chunked, plan_choosing_loss_chunks
+from rewrite.chunked_loss import chunk_loss
 
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 log = logging.getLogger(__name__)
 
-
-
-def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
-    """The smallest budget in bytes whose planning room (``plan_for_budget``'s arithmetic,
-    floats included) is at least ``planning_bytes``."""
-    budget = math.ceil(planning_bytes / (1 - safety_margin)) + reserve_bytes
-    while int((budget - reserve_bytes) * (1 - safety_margin)) < planning_bytes:
-        budget += 1
-    while budget > reserve_bytes + 1 and int((budget - 1 - reserve_bytes) * (1 - safety_margin)) >= planning_bytes:
-        budget -= 1
-    return budget
-
-
-def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                    grads_held: bool = False) -> Plan:
-    """Solve ``graph`` for a budget in GiB with ``options``, keeping ``options.reserve_gb`` and
-    ``options.safety_margin`` free.
-
-    The returned plan's ``budget_bytes`` is the user's budget; its predicted peak stays under
-    ``(budget - reserve) * (1 - safety_margin)``. An infeasible budget raises
-    :class:`InfeasibleBudgetError` naming the smallest ``budget_gb`` (in bytes) that works.
-
-    ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
-    sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.core.costgraph.shard_parameters`);
-    ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
-
-    Example:
-        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
-        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
-        ...               (Storage(0, 2**20, True),))
-        >>> plan_for_budget(g, 1.0, PlanOptions(safety_margin=0.0)).segments
-        ()
-    """
-    budget_bytes = check_budget_gb(budget_gb)
-    reserve_bytes = options.reserve_bytes
-    if budget_bytes <= reserve_bytes:
-        raise InputError(f"reserve_gb={options.reserve_gb} leaves no room inside budget_gb={budget_gb}")
-    # a budget of a few bytes leaves none to plan with: the solver then names the smallest that works
-    planning_bytes = max(1, int((budget_bytes - reserve_bytes) * (1 - options.safety_margin)))
-    # set by the profiler from the captured graph: transformations the user asked for by name
-    changes = tuple(graph.metadata.get("computation_changes", ()))
-    try:
-        graph = shard_parameters(graph, options.world_size)
-    except ValueError as exc:
-        raise PlannerError(str(exc)) from None
-    if grads_held:
-        graph = hold_parameter_grads(graph)
-    graph = protect_reads_before_writes(graph)
-    try:
-        plan = solve(graph, planning_bytes, options.solve_options())
-    except InfeasibleBudgetError as exc:
-        unoptimized = exc.unoptimized_peak_bytes
-        if unoptimized is None:
-            unoptimized = graph.measured_peak_bytes or simulate(graph).peak_bytes
-        raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
-            exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
-    plan = hand_placed_within_noise(graph, plan, planning_bytes)
-    if options.offload:  # held outputs to host memory, where that predicts less
-        plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
-    return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 
 def optimize(
@@ -343,9 +275,6 @@ class Replanner:
 
     def _rewrite_with(self, model: Any, example_inputs: Any, plan: Plan, graph: CostGraph | None) -> Any:
         """This rank's capture of ``model`` rewritten with ``plan``, made on rank 0 from ``graph``."""
-        from planner.loss_chunking import is_chunked
-        from rewrite.chunked_loss import chunk_loss
-
         gm = trace_module(model, example_inputs, method=self.capture.trace_method,
                           simplify_attention_masks=self.capture.simplify_attention_masks)
         if graph is not None and is_chunked(graph):
@@ -355,8 +284,6 @@ class Replanner:
     def _plan(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
               grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
         """:meth:`__call__` on this process alone."""
-        from planner.loss_chunking import plan_choosing_loss_chunks
-
         def trace() -> Any:
             return trace_module(model, example_inputs, method=self.capture.trace_method,
                                 simplify_attention_masks=self.capture.simplify_attention_masks)

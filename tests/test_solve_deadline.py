@@ -114,7 +114,7 @@ def test_the_bound_reaches_the_solve_from_plan_for_budget_and_sweep(gpt2_graph, 
         seen.append(options.max_solve_s)
         return real(graph, budget_bytes, options, **kwargs)
 
-    monkeypatch.setattr("planner.pipeline.solve", spy)
+    monkeypatch.setattr("planner.budget_plan.solve", spy)
     monkeypatch.setattr("planner.sweep.solve", spy)
     peak_gb = simulate(gpt2_graph).peak_bytes / 2**30
     plan_for_budget(gpt2_graph, peak_gb * 0.7, PlanOptions(max_stages=4, max_solve_s=2.0))

@@ -47,8 +47,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Segment
 from planner.core.rerun import rerun_cost
 
-if TYPE_CHECKING:  # pragma: no cover
-    from planner.core.simulate import MemoryAccount
+from planner.core.simulate import AboveLimit, MemoryAccount, persistent_bytes, replay_plan, validate_segments
 
 __all__ = ["OffloadSpec", "HOST_LINKS", "OffloadSimulation", "Transfers", "simulate_offload",
            "offloadable_nodes", "backward_ratio"]
@@ -161,7 +160,6 @@ def offloadable_nodes(graph: CostGraph, segments: Iterable[Sequence[str] | Segme
         >>> offloadable_nodes(g)
         {'a': (2,)}
     """
-    from planner.core.simulate import validate_segments
 
     seg_list = list(segments)
     names = [s.node_names if isinstance(s, Segment) else s for s in seg_list]
@@ -196,7 +194,6 @@ class Transfers:
     def __init__(self, graph: CostGraph, segments: Sequence[Sequence[str] | Segment],
                  storages_by_node: dict[str, tuple[int, ...]], spec: OffloadSpec,
                  triggers: dict[str, str] | None = None) -> None:
-        from planner.core.simulate import validate_segments
 
         self.graph = graph
         self.spec = spec
@@ -382,7 +379,6 @@ def simulate_offload(graph: CostGraph, segments: Iterable[Sequence[str] | Segmen
         >>> simulate_offload(g, (), ("a",), OffloadSpec(1.0, 1.0)).offloaded_bytes   # the loss is held
         0
     """
-    from planner.core.simulate import AboveLimit, MemoryAccount, persistent_bytes, replay_plan
 
     seg_list = list(segments)
     storages = _storages_of(graph, seg_list, offloaded)
