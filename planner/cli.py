@@ -281,7 +281,7 @@ def _report_command(args: argparse.Namespace) -> int:
     _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=args.chunk_loss, trace=trace,
                                                profile=profile, plan=plan_at)
     floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
-    plans = (sweep(graph, _plan_options(args), points=args.sweep)
+    plans = (sweep(graph, options=_plan_options(args), points=args.sweep)
              if args.sweep else [])
     bound = None
     if not args.no_bound:
