@@ -16,10 +16,10 @@ from planner.solvers.hand_policies import hand_placed_within_noise
 from planner.solvers.offload import offload_plan
 from planner.solvers.solve import solve
 
-__all__ = ["plan_for_budget"]
+__all__ = ["plan_for_budget", "budget_planning_at_least"]
 
 
-def _budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
+def budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
     """The smallest budget in bytes whose planning room (``plan_for_budget``'s arithmetic,
     floats included) is at least ``planning_bytes``."""
     budget = math.ceil(planning_bytes / (1 - safety_margin)) + reserve_bytes
@@ -71,7 +71,7 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
         unoptimized = exc.unoptimized_peak_bytes
         if unoptimized is None:
             unoptimized = graph.measured_peak_bytes or simulate(graph).peak_bytes
-        raise InfeasibleBudgetError(budget_bytes, _budget_planning_at_least(
+        raise InfeasibleBudgetError(budget_bytes, budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
     plan = hand_placed_within_noise(graph, plan, planning_bytes)
     if options.offload:  # held outputs to host memory, where that predicts less

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiling.measure import StepInputs, TrainingStep, allocation_events, memory_profile, preserved_state
-from profiling.temporaries import walk_events
+from profiling.temporaries import walk_events, window_peaks
 from rewrite.op_regions import UNCOUNTED_OPS
 
 __all__ = ["measure_op_peaks"]
@@ -71,18 +71,7 @@ def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
         loss.backward()
         del output, loss
     events = walk_events(list(prof.profiler.kineto_results.experimental_event_tree()))
-    allocations = allocation_events(prof, "cpu" if not torch.cuda.is_available() else "cuda")
-    times = [t for t, _ in allocations]
-    running: list[int] = []
-    total = 0
-    for _, delta in allocations:
-        total += delta
-        running.append(total)
-
-    def peak_in(start_ns: int, end_ns: int) -> int:
-        lo, hi = bisect.bisect_left(times, start_ns), bisect.bisect_right(times, end_ns)
-        before = running[lo - 1] if lo > 0 else 0
-        return max(0, max(running[lo:hi]) - before) if hi > lo else 0
+    peak_in = window_peaks(allocation_events(prof, "cpu" if not torch.cuda.is_available() else "cuda"))
 
     forward: dict[int, int] = {}
     for event in events:

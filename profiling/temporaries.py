@@ -59,6 +59,31 @@ class _LabelledInterpreter(torch.fx.Interpreter):
             return super().run_node(n)
 
 
+def window_peaks(allocations: list[tuple[int, int]]) -> Callable[[int, int], int]:
+    """From allocation events ``(time_ns, bytes allocated or, negative, freed)`` in time order: a
+    function giving the most bytes allocated above the level at a window's start, within
+    ``[start_ns, end_ns]``.
+
+    Example:
+        >>> peak_in = window_peaks([(10, 100), (20, 50), (30, -150), (40, 30)])
+        >>> peak_in(15, 35), peak_in(0, 100), peak_in(50, 60)
+        (50, 150, 0)
+    """
+    times = [t for t, _ in allocations]
+    running: list[int] = []
+    total = 0
+    for _, delta in allocations:
+        total += delta
+        running.append(total)
+
+    def peak_in(start_ns: int, end_ns: int) -> int:
+        lo, hi = bisect.bisect_left(times, start_ns), bisect.bisect_right(times, end_ns)
+        before = running[lo - 1] if lo > 0 else 0
+        return max(0, max(running[lo:hi]) - before) if hi > lo else 0
+
+    return peak_in
+
+
 def walk_events(roots: list[Any]) -> list[Any]:
     out, stack = [], list(roots)
     while stack:
@@ -99,21 +124,7 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
     step_peak_bytes = profiled_step_peak_bytes(gm, inputs, prof) if device_type == "cpu" else None
 
     events = walk_events(list(prof.profiler.kineto_results.experimental_event_tree()))
-    allocations = allocation_events(prof, device_type)
-    times = [t for t, _ in allocations]
-    running: list[int] = []
-    total = 0
-    for _, delta in allocations:
-        total += delta
-        running.append(total)
-
-    def peak_in(start_ns: int, end_ns: int) -> int:
-        lo = bisect.bisect_left(times, start_ns)
-        hi = bisect.bisect_right(times, end_ns)
-        before = running[lo - 1] if lo > 0 else 0
-        if hi <= lo:
-            return 0
-        return max(0, max(running[lo:hi]) - before)
+    peak_in = window_peaks(allocation_events(prof, device_type))
 
     forward: dict[str, int] = {}
     node_of_sequence: dict[int, str] = {}

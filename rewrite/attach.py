@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["attach_to_user_modules"]
+__all__ = ["attach_to_user_modules", "share_module_state"]
 
 
 def _resolve(root: torch.nn.Module, target: str) -> Any:
@@ -51,3 +51,19 @@ def attach_to_user_modules(gm: torch.fx.GraphModule, original: torch.nn.Module) 
     gm._parameters = original._parameters
     gm._buffers = original._buffers
     return True
+
+
+def share_module_state(wrapper: torch.nn.Module, tree: torch.nn.Module) -> None:
+    """Make ``wrapper``'s submodules, parameters and buffers ``tree``'s own objects, so its
+    ``state_dict()`` keys, ``parameters()`` and ``.to()`` are the user's module's.
+
+    Example:
+        >>> inner, outer = torch.nn.Linear(2, 2), torch.nn.Module()
+        >>> share_module_state(outer, inner)
+        >>> list(outer.state_dict()) == list(inner.state_dict())
+        True
+    """
+    wrapper._modules = tree._modules
+    wrapper._parameters = tree._parameters
+    wrapper._buffers = tree._buffers
+    wrapper._non_persistent_buffers_set = tree._non_persistent_buffers_set

@@ -23,7 +23,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.measure import StepInputs
-from rewrite.attach import attach_to_user_modules
+from rewrite.attach import attach_to_user_modules, share_module_state
 from rewrite.held_output import HeldOutputCheck
 from rewrite.saving import SavesAsTheModel
 from rewrite.segments import apply_plan, fresh_copy
@@ -124,10 +124,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         else:
             log.debug("the captured graph names attributes the model does not have; keeping its own module tree")
             tree = graph_module
-        self._modules = tree._modules
-        self._parameters = tree._parameters
-        self._buffers = tree._buffers
-        self._non_persistent_buffers_set = tree._non_persistent_buffers_set
+        share_module_state(self, tree)
         object.__setattr__(self, "graph_module", graph_module)  # not a child: no new state_dict keys
         object.__setattr__(self, "_variants", {})
         object.__setattr__(self, "_profiles", {})

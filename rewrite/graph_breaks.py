@@ -35,6 +35,7 @@ from profiling.graph_breaks import op_node_index
 from rewrite.op_regions import RegionRunner
 from rewrite.saving import SavesAsTheModel
 from rewrite.signature import ForwardWithTheModelsSignature, signature_of
+from rewrite.attach import share_module_state
 
 __all__ = ["BreakCheckpointedModule", "segment_regions", "input_signature"]
 
@@ -91,10 +92,7 @@ class BreakCheckpointedModule(SavesAsTheModel, torch.nn.Module):
         for first, last in regions:
             if not 0 <= first <= last:
                 raise ValueError(f"an op region runs from its first to its last op index, got ({first}, {last})")
-        self._modules = original._modules
-        self._parameters = original._parameters
-        self._buffers = original._buffers
-        self._non_persistent_buffers_set = original._non_persistent_buffers_set
+        share_module_state(self, original)
         self.plan = plan
         self.cost_graph = cost_graph
         self.regions = tuple(regions)

@@ -32,6 +32,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan
 from rewrite.saving import SavesAsTheModel
 from rewrite.signature import ForwardWithTheModelsSignature, signature_of
+from rewrite.attach import share_module_state
 
 __all__ = ["ModuleCheckpointedModule", "checkpointed_forward"]
 
@@ -94,10 +95,7 @@ class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
         for path in checkpointed:
             for part in (path.split("..") if path.startswith("run:") else (path,)):
                 original.get_submodule(part.removeprefix("run:"))  # a wrong path fails here, not in the first step
-        self._modules = original._modules
-        self._parameters = original._parameters
-        self._buffers = original._buffers
-        self._non_persistent_buffers_set = original._non_persistent_buffers_set
+        share_module_state(self, original)
         self.plan = plan
         self.cost_graph = cost_graph
         self.checkpointed = tuple(checkpointed)

@@ -32,7 +32,7 @@ milp_module = importlib.import_module("planner.solvers.stage_ilp")
 stage_plans_module = importlib.import_module("planner.solvers.stage_plans")
 smallest_peak_module = importlib.import_module("planner.solvers.smallest_peak")
 refine_module = importlib.import_module("planner.solvers.refine")
-pipeline_module = importlib.import_module("planner.pipeline")
+from planner.budget_plan import budget_planning_at_least  # noqa: E402
 
 PROPERTY_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                              suppress_health_check=[HealthCheck.too_slow])
@@ -465,7 +465,7 @@ def test_the_budget_an_infeasible_error_names_is_planned_when_passed_back(seed):
 @PROPERTY_SETTINGS
 @given(planning=st.integers(1, 2**40), reserve=st.integers(0, 2**34), margin=st.floats(0.0, 0.5))
 def test_budget_planning_at_least_is_the_smallest_budget_with_that_room(planning, reserve, margin):
-    budget = pipeline_module._budget_planning_at_least(planning, reserve, margin)
+    budget = budget_planning_at_least(planning, reserve, margin)
     assert int((budget - reserve) * (1 - margin)) >= planning
     assert int((budget - 1 - reserve) * (1 - margin)) < planning
 
