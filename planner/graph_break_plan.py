@@ -32,6 +32,7 @@ from planner.solvers.hand_policies import hand_placed_plans
 from profiling.graph_breaks import profile_op_stream
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from rewrite.graph_breaks import BreakCheckpointedModule, input_signature, segment_regions
+from planner.capture_options import CaptureOptions
 
 __all__ = ["plan_graph_breaks", "graph_break_plan", "MAX_TIGHTENINGS", "MEASURED_FIT_TOLERANCE",
            "MAX_MEASURED_CANDIDATES"]
@@ -65,7 +66,7 @@ def graph_break_plan(graph: CostGraph, budget_gb: float, options: PlanOptions = 
 
 
 def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                      timing_repeats: int = 2, step: Any = None) -> Any:
+                      timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None) -> Any:
     """Plan ``model`` over the ATen ops of its step for ``budget_gb`` and return the checkpointed
     module (:class:`rewrite.graph_breaks.BreakCheckpointedModule`) whose measured step peak is
     within the budget. Inputs of another shape are profiled and planned again on first use.

@@ -37,6 +37,7 @@ from profiling.module_costgraph import module_cost_graph
 from profiling.module_profile import profile_modules
 from profiling.module_runs import with_runs
 from rewrite.module_checkpoint import ModuleCheckpointedModule
+from planner.capture_options import CaptureOptions
 
 __all__ = ["plan_modules", "MAX_TIGHTENINGS"]
 
@@ -63,7 +64,7 @@ def _budget_for(peak_bytes: int, options: PlanOptions) -> int:
 
 
 def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                 timing_repeats: int = 2, step: Any = None) -> Any:
+                 timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None) -> Any:
     """Plan ``model`` at module granularity for ``budget_gb`` and return the checkpointed module
     (:class:`rewrite.module_checkpoint.ModuleCheckpointedModule`) whose measured step peak is
     within the budget. ``step`` (a :class:`profiling.measure.TrainingStep`; None: the default)

@@ -28,6 +28,7 @@ from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
 from planner.solvers.stage_model import StageModel, build_stage_model
 from planner.core.stages import build_stages
+from planner.core.options import SolveOptions
 
 __all__ = ["CHAIN_DP", "short_segment_shapes"]
 
@@ -219,7 +220,7 @@ def _replayed(graph: CostGraph, model: StageModel, result: IlpResult, budget_byt
                     time.perf_counter() - started, result)
 
 
-def short_segment_shapes(compute_count: int, max_stages: int = 32, finest: bool = False) -> list[tuple[int, int]]:
+def short_segment_shapes(compute_count: int, max_stages: int = SolveOptions.max_stages, finest: bool = False) -> list[tuple[int, int]]:
     """The starts of the short-segments path (:func:`short_segments_plan`) on a graph of
     ``compute_count`` compute nodes, as (stage count, most stages a segment may span): on graphs
     of at least 16 compute nodes per first stage, :data:`SHORT_SEGMENT_STAGES_PER_START` times
