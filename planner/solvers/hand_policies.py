@@ -52,7 +52,7 @@ EVERY_KTH_LAYER_MAX_K = 4
 #: Block decompositions the hand-placed plans are built on: the module paths with interleaved
 #: lists merged, the lists one stack each, the graph's structure. With two policies per k, a
 #: solve replays at most 2 * EVERY_KTH_LAYER_MAX_K * MAX_BLOCK_DECOMPOSITIONS = 24 hand-placed
-#: plans, one replay each (about 1 ms on the 991-node GPT-2 profile).
+#: plans, one replay each (docs/tuning.md#max_block_decompositions).
 MAX_BLOCK_DECOMPOSITIONS = 3
 
 #: What the save-matmuls policy keeps in a checkpointed layer (docs/tuning.md#saved_matmul_ops).

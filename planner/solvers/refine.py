@@ -58,10 +58,7 @@ Run = tuple[int, int]  # first and last compute rank, inclusive
 #: below this many compute nodes every node boundary is a cut point
 ALL_CUTS_BELOW = 64
 #: simulated nodes per second of search a ``time_limit_s`` stands for: an effort, not a clock, so
-#: every machine makes the same replays (on one core of the 2-core CPU the benchmarks ran on, a
-#: 1,337-node GPT-2 replayed a plan at 161,000 nodes per second, 298,000 since the graph's replay
-#: facts are derived once, :mod:`planner.core.replay_facts`; a search's ``time_limit_s`` now takes
-#: about a third to a half of its seconds there)
+#: every machine makes the same replays (docs/tuning.md#node_replays_per_s)
 NODE_REPLAYS_PER_S = 100_000
 #: the wall-clock guard, as a multiple of ``time_limit_s``
 GUARD_FACTOR = 2.0
