@@ -62,16 +62,24 @@ class _Layered(nn.Module):
         return h
 
 
-class ItemBranchNet(_Layered):
-    """Per layer: ``fc1(ln(h))``, relu or tanh by the sign of its mean (``.item()``), a custom
-    Function, ``fc2``, dropout, a residual."""
+class _MlpLists(_Layered):
+    """A layer written inline over three module lists: ``ln``, ``fc1`` (width to 4 x width) and
+    ``fc2`` (back to width)."""
 
-    def __init__(self, width: int, layers: int, p: float = 0.1) -> None:
+    def __init__(self, width: int, layers: int) -> None:
         super().__init__()
         self.layers = layers
         self.ln = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
         self.fc1 = nn.ModuleList(nn.Linear(width, 4 * width) for _ in range(layers))
         self.fc2 = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(layers))
+
+
+class ItemBranchNet(_MlpLists):
+    """Per layer: ``fc1(ln(h))``, relu or tanh by the sign of its mean (``.item()``), a custom
+    Function, ``fc2``, dropout, a residual."""
+
+    def __init__(self, width: int, layers: int, p: float = 0.1) -> None:
+        super().__init__(width, layers)
         self.drop = nn.Dropout(p)
 
     def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -106,15 +114,8 @@ class NonzeroMoE(_Layered):
         return h + out
 
 
-class NumpyScaleNet(_Layered):
+class NumpyScaleNet(_MlpLists):
     """Per layer: ``fc1(ln(h))`` scaled per feature by ``1 + tanh`` of its batch mean, computed in NumPy."""
-
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        self.layers = layers
-        self.ln = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
-        self.fc1 = nn.ModuleList(nn.Linear(width, 4 * width) for _ in range(layers))
-        self.fc2 = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(layers))
 
     def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
         y = self.fc1[i](self.ln[i](h))
@@ -122,15 +123,8 @@ class NumpyScaleNet(_Layered):
         return h + self.fc2[i](F.gelu(y) * scale)
 
 
-class DataLoopNet(_Layered):
+class DataLoopNet(_MlpLists):
     """Per layer: a residual MLP applied 1 to 3 times, the count read from the data."""
-
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        self.layers = layers
-        self.ln = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
-        self.fc1 = nn.ModuleList(nn.Linear(width, 4 * width) for _ in range(layers))
-        self.fc2 = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(layers))
 
     def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
         steps = 1 + int(h.detach().abs().mean().item() * 1000) % 3

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H100_PROFILES  # noqa: E402
-from publish import ROOT, publish_doc  # noqa: E402
+from publish import ROOT, markdown_table, publish_doc  # noqa: E402
 
 from planner.bounds.covering import covering_bound  # noqa: E402
 from planner.core.costgraph import protect_reads_before_writes  # noqa: E402
@@ -105,9 +105,7 @@ def markdown(table: list[list[str]]) -> str:
     header = ["profile", "hand-placed plan", "hand-placed peak", "its recompute (ms)", "planner / hand-placed",
               "solve (s)", "128 stages / hand-placed", "solve (s)", "covering bound / hand-placed",
               "whole segments bound / hand-placed", "its peak at"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, table)
 
 
 def main() -> None:

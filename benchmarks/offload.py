@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import H100_PROFILES  # noqa: E402
-from publish import publish_doc  # noqa: E402
+from publish import markdown_table, publish_doc  # noqa: E402
 
 from planner.core.costgraph import CostGraph, protect_reads_before_writes  # noqa: E402
 from planner.core.errors import InfeasibleBudgetError  # noqa: E402
@@ -120,9 +120,7 @@ def markdown(table: list[list[str]]) -> str:
     header = ["profile", "budget", "link", "recompute only: ms (of step)", "with offload: ms (of step)",
               "recompute + exposed copies (ms)", "offloaded (GiB)", "segments", "offload all boundaries: ms",
               "its peak / budget", "solve (s)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, table)
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import checkpoint_every_k, find_layers, publish_doc, step_time_ratios  # noqa: E402
+from publish import markdown_table  # noqa: E402
 from examples.models import gpt2, llama  # noqa: E402
 from profiling import StepInputs, TrainingStep, run_step  # noqa: E402
 from planner.core.costgraph import protect_reads_before_writes  # noqa: E402
@@ -186,17 +187,13 @@ def planned_rows(names: list[str], device: torch.device, repeats: int, tiny: boo
 def planned_markdown(table: list[list[str]]) -> str:
     header = ["model", "plan", "budget (GiB)", "predicted peak (GiB)", "measured peak (GiB)", "offloaded (GiB)",
               "predicted step / nothing recomputed", "measured step / nothing recomputed", "gradients vs the model"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, table)
 
 
 def markdown(table: list[list[str]]) -> str:
     header = ["model", "variant", "measured peak (GiB)", "offloaded (MiB)", "step time / keep all",
               "gradients vs keep all"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, table)
 
 
 def main(argv: list[str] | None = None) -> int:

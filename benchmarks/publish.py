@@ -23,7 +23,21 @@ from typing import TextIO
 ROOT = Path(__file__).resolve().parents[1]
 DOCS_DIR = ROOT / "docs" / "benchmarks"
 
-__all__ = ["DOCS_DIR", "command_line", "publish_doc", "tee_stdout"]
+__all__ = ["DOCS_DIR", "command_line", "markdown_table", "publish_doc", "tee_stdout"]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table of ``rows`` under ``header``, ending in a newline.
+
+    Example:
+        >>> print(markdown_table(["a", "b"], [["1", "2"]]), end="")
+        | a | b |
+        |---|---|
+        | 1 | 2 |
+    """
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
 
 def command_line(argv: Sequence[str]) -> str:

@@ -20,7 +20,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from publish import publish_doc  # noqa: E402
+from publish import markdown_table, publish_doc  # noqa: E402
 from target_accuracy import MIB, MODELS, fake_profile, measured_points  # noqa: E402
 
 from planner.core.costgraph import protect_reads_before_writes  # noqa: E402
@@ -66,8 +66,7 @@ def ablation_rows(models: list[str], target: str = "h100") -> list[list[str]]:
 
 def ablation_markdown(table: list[list[str]]) -> str:
     header = ["profile", *(f"unoptimized peak, {label} (MiB, error)" for label in RULES)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table]) + "\n"
+    return markdown_table(header, table)
 
 
 ABLATION_ABOUT = """Each column profiles the model on fake tensors for the H100 with one of the
