@@ -12,11 +12,16 @@ from planner.core.errors import InfeasibleBudgetError, InputError, PlannerError
 from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import Plan
 from planner.core.simulate import simulate
-from planner.solvers.hand_policies import hand_placed_within_noise
+from planner.solvers.hand_policies import HAND_PLACED, cheaper_hand_plans, hand_placed_within_noise
 from planner.solvers.offload import offload_plan
 from planner.solvers.solve import solve
+from planner.solvers.stage_plans import to_plan
 
-__all__ = ["plan_for_budget", "budget_planning_at_least"]
+__all__ = ["plan_for_budget", "budget_planning_at_least", "hand_plans_to_measure", "MEASURED_HAND_PLANS"]
+
+#: At most this many hand-placed plans refused by the margin are measured after a plan is chosen:
+#: each is one more measured training step (docs/tuning.md#measured_hand_plans).
+MEASURED_HAND_PLANS = 2
 
 
 def budget_planning_at_least(planning_bytes: int, reserve_bytes: int, safety_margin: float) -> int:
@@ -77,3 +82,29 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     if options.offload:  # held outputs to host memory, where that predicts less
         plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
+
+
+def hand_plans_to_measure(graph: CostGraph, plan: Plan, options: PlanOptions, tolerance: float) -> list[Plan]:
+    """The hand-placed plans (every layer, every k-th layer, ...) that cost less than ``plan``
+    (:func:`planner.solvers.hand_policies.cheaper_hand_plans`) and were refused only by the
+    planning margin: predicted at most ``tolerance`` above the budget less ``reserve_gb``, with no
+    ``safety_margin``. At most :data:`MEASURED_HAND_PLANS`, cheapest first, as plans of ``plan``'s
+    budget: where the training step can be measured, one of them that measures within the budget
+    is the better plan, so a budget equal to every-layer's own measured peak gets every-layer's
+    FLOPs, not a dearer plan squeezed under the margin.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+        ...               (Storage(0, 2**20, True),))
+        >>> plan = plan_for_budget(g, 1.0)
+        >>> hand_plans_to_measure(g, plan, PlanOptions(), 0.03)   # no layers, no hand plans
+        []
+    """
+    room_bytes = plan.budget_bytes - options.reserve_bytes
+    prepared = protect_reads_before_writes(shard_parameters(graph, options.world_size))
+    hands = cheaper_hand_plans(prepared, plan, int(room_bytes * (1 + tolerance)))[:MEASURED_HAND_PLANS]
+    return [dataclasses.replace(
+        to_plan(prepared, list(hand.segments), plan.budget_bytes, plan.unoptimized_peak_bytes,
+                simulate(prepared, hand.segments).peak_bytes, f"{HAND_PLACED}: {hand.name} (measured)", plan.solve_s),
+        computation_changes=plan.computation_changes) for hand in hands]

@@ -8,6 +8,9 @@ chosen plan and measures one training step at the allocator (``torch.profiler`` 
 
 - measured above the budget's room: the gap is held as extra bytes all step and the graph is
   solved again, up to :data:`MAX_MEASURED_RESOLVES` times;
+- cheaper plans the prediction refused only by the margin (``alternatives``: hand-placed plans
+  within :data:`planner.measured_fit.MEASURED_FIT_TOLERANCE` of the room) are measured, cheapest
+  first, and the first whose step fits replaces the plan;
 - measured below the prediction by more than the safety margin (the prediction wasted budget):
   the room is grown by the gap and the graph solved again, once; the new plan is kept only if
   its own measured step fits and it recomputes less.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from planner.core.errors import InfeasibleBudgetError
@@ -55,7 +58,7 @@ Measure = Callable[[Plan], tuple[Any, int]]
 
 
 def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measure, resolve: Resolve,
-                  unoptimized_measured_bytes: int | None) -> tuple[Any, Plan]:
+                  unoptimized_measured_bytes: int | None, alternatives: Sequence[Plan] = ()) -> tuple[Any, Plan]:
     """The module and plan to return: ``plan`` measured, corrected by solving again where the
     measurement says so (see module docs), with ``measured_peak_bytes`` set. The module is None
     for a plan that recomputes nothing, whose measured peak is the profile's own
@@ -84,6 +87,14 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measu
         raise InfeasibleBudgetError(plan.budget_bytes, plan.budget_bytes + measured - room_bytes,
                                     note=f"the plan's measured step peaked at {measured / GIB:.4f} GiB, "
                                          f"{(measured - room_bytes) / MIB:.1f} MiB above the room")
+    if held == 0:
+        for alternative in alternatives:
+            alternative_module, alternative_measured = check(alternative)
+            log.info("%s, predicted %d bytes over the margin, measured %d bytes against a room of %d bytes",
+                     alternative.solver, alternative.predicted_peak_bytes, alternative_measured,
+                     room_bytes)
+            if alternative_measured <= room_bytes:
+                return alternative_module, dataclasses.replace(alternative, measured_peak_bytes=alternative_measured)
     wasted = plan.predicted_peak_bytes - measured
     if wasted > margin_bytes and plan.segments and held == 0:
         try:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from planner.budget_plan import plan_for_budget
+from planner.budget_plan import hand_plans_to_measure, plan_for_budget
 from planner.capture_options import CaptureOptions
 from planner.closed_loop import measured_plan
 from planner.compiled_plan import compile_backend_of, plan_compiled
@@ -31,7 +31,7 @@ from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_bu
                                   check_offload_device)
 from planner.core.plan import GIB, Plan
 from planner.graph_break_plan import plan_graph_breaks
-from planner.measured_fit import plan_fitting_on_measurement
+from planner.measured_fit import MEASURED_FIT_TOLERANCE, plan_fitting_on_measurement
 from planner.module_plan import plan_modules
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.uncaptured import plan_without_capture
@@ -388,7 +388,8 @@ class Replanner:
             return dataclasses.replace(solved, budget_bytes=plan.budget_bytes)
 
         try:
-            return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes)
+            return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes,
+                                 hand_plans_to_measure(graph, plan, self.planning, MEASURED_FIT_TOLERANCE))
         except InfeasibleBudgetError as exc:
             raise exc.with_unoptimized_peak(graph.measured_peak_bytes) from None
 

@@ -38,7 +38,7 @@ from planner.solvers.keep import segment_with_kept
 from planner.solvers.stage_plans import to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
-           "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE",
+           "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE",
            "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "SAVED_MATMUL_OPS", "HAND_PLACED"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
@@ -253,16 +253,46 @@ def hand_placed_within_noise(graph: CostGraph, plan: Plan, budget_bytes: int,
         >>> hand_placed_within_noise(g, plan, 10 * 2**20) is plan   # nothing fits with fewer FLOPs
         True
     """
-    flops = sum(s.recompute_flops for s in plan.segments)
-    limit_ms = plan.recompute_ms * (1 + tolerance)
-    better = [hand for hand in hand_placed_plans(graph)
-              if sum(s.recompute_flops for s in hand.segments) < flops and hand.recompute_ms <= limit_ms
-              and fits_budget(graph, hand.segments, budget_bytes)]
+    better = cheaper_hand_plans(graph, plan, budget_bytes, tolerance)
     if not better:
         return plan
-    best = min(better, key=lambda hand: (sum(s.recompute_flops for s in hand.segments), hand.recompute_ms))
+    best = better[0]
     log.info("hand-placed %s: %.2f ms and %d FLOPs against the search's %.2f ms and %d FLOPs, within the timing "
              "noise: the plan a person would write", best.name, best.recompute_ms,
-             sum(s.recompute_flops for s in best.segments), plan.recompute_ms, flops)
+             sum(s.recompute_flops for s in best.segments), plan.recompute_ms,
+             sum(s.recompute_flops for s in plan.segments))
     return to_plan(graph, list(best.segments), budget_bytes, plan.unoptimized_peak_bytes,
                     simulate(graph, best.segments).peak_bytes, f"{HAND_PLACED}: {best.name}", plan.solve_s)
+
+
+def cheaper_hand_plans(graph: CostGraph, plan: Plan, peak_limit_bytes: int,
+                       tolerance: float = HAND_PLAN_TIME_TOLERANCE) -> list[HandPlan]:
+    """The hand-placed plans whose simulated peak is at most ``peak_limit_bytes`` and that cost
+    less than ``plan``: predicted faster, or recomputing fewer FLOPs at most ``tolerance``
+    slower; fewest FLOPs first, then least time.
+
+    Example:
+        >>> from planner.core.costgraph import CostNode, Storage
+        >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+        >>> for i in range(1, 7):   # three layers of (linear, relu)
+        ...     op = ("aten.linear.default", "aten.relu.default")[(i - 1) % 2]
+        ...     nodes.append(CostNode(f"n{i}", op, input_names=(nodes[-1].name,), output_storages=(i,),
+        ...                           saved_storages=(i,), output_bytes=2**20, requires_grad=True,
+        ...                           time_ms=1.0, flops=10**6 if "linear" in op else 0,
+        ...                           module=f"layers.{(i - 1) // 2}"))
+        >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(7)), ("n6",))
+        >>> every = hand_placed_plans(g)[0]
+        >>> dearer = to_plan(g, [Segment(("n1", "n2", "n3", "n4"), recompute_ms=5.0, recompute_flops=3 * 10**6)],
+        ...                  2**30, 7 * 2**20, 6 * 2**20, "search", 0.0)
+        >>> [hand.name for hand in cheaper_hand_plans(g, dearer, 2**30)][:1]
+        ['every 2nd layer']
+        >>> cheaper_hand_plans(g, dearer, simulate(g, every.segments).peak_bytes - 1)   # none that low
+        []
+    """
+    flops = sum(s.recompute_flops for s in plan.segments)
+    limit_ms = plan.recompute_ms * (1 + tolerance)
+    cheaper = [hand for hand in hand_placed_plans(graph)
+               if (hand.recompute_ms < plan.recompute_ms
+                   or (sum(s.recompute_flops for s in hand.segments) < flops and hand.recompute_ms <= limit_ms))
+               and fits_budget(graph, hand.segments, peak_limit_bytes)]
+    return sorted(cheaper, key=lambda hand: (sum(s.recompute_flops for s in hand.segments), hand.recompute_ms))
