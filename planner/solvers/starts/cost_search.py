@@ -45,9 +45,11 @@ def fallback_plan(ctx: SolveContext, outcome: ExactOutcome) -> tuple[Plan | None
     that does not fit raises :class:`InfeasibleBudgetError` naming its peak; a selective solve
     returns None instead, since the segments-only solve can meet a budget its model misses."""
     options = ctx.options
+    # within max_solve_s: the smallest peak found by then is what the refusal names
     fallback = outcome.smallest or minimum_peak_plan(
-        ctx.graph, max_stages=options.max_stages, solver=options.solver, time_limit_s=options.time_limit_s,
-        refine_s=options.refine_s, exact=exact_search_on(ctx.graph, options.exact), exact_s=outcome.search_s,
+        ctx.graph, max_stages=options.max_stages, solver=options.solver,
+        time_limit_s=ctx.deadline.cut(options.time_limit_s), refine_s=ctx.deadline.cut(options.refine_s),
+        exact=exact_search_on(ctx.graph, options.exact), exact_s=ctx.deadline.cut(outcome.search_s),
         infeasible_bytes=ctx.budget_bytes if outcome.proven_infeasible else 0, lower_by_dp=not options.selective)
     if fallback.predicted_peak_bytes > ctx.budget_bytes:
         if not options.selective:
