@@ -32,10 +32,10 @@ class CaptureOptions:
     """How ``optimize`` captures and profiles the model: each field's default and one-line help
     are declared here once (``optimize``'s docstring says more about each)."""
 
-    trace_method: str = option("export", "capture the forward as a graph (export or symbolic_trace; where capture "
-                                         "fails, graph-breaks, then modules), plan over the ops of the eager step "
-                                         "(graph-breaks: for models with graph breaks) or over submodule calls "
-                                         "directly (modules: coarser)")
+    trace_method: str = option("export", "how the forward is captured: export or symbolic_trace (one graph; where "
+                                         "capture fails, graph-breaks, then modules), graph-breaks (the ops of the "
+                                         "eager step, for models with graph breaks) or modules (submodule calls, "
+                                         "coarser)")
     timing_repeats: int = option(2, "warm training steps each node is timed in (more while they disagree)")
     cache_dir: str | None = option(None, "a folder for profiles: another budget for the same model skips profiling")
     progress: bool = option(False, "draw a tqdm bar while profiling")
@@ -53,9 +53,9 @@ class CaptureOptions:
     output_held: bool = option(False, "plan for a training loop that keeps the model's output alive through the "
                                       "backward (default: the output is dropped once the loss is taken, as in "
                                       "model(**batch).loss.backward() and the HF Trainer)")
-    compile: bool | str = option(False, "plan for a training step run under torch.compile (Inductor, or the backend "
-                                         "named): the plan honoured inside one compiled graph and checked on the "
-                                         "compiled step's measured peak (one compile per plan checked)")
+    compile: bool | str = option(False, "plan for a training step run under torch.compile (Inductor unless a "
+                                         "backend is named): the plan honoured inside one compiled graph and checked "
+                                         "on the compiled step's measured peak (one compile per plan checked)")
 
     @property
     def compile_backend(self) -> str | None:

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "profiling", "rewrite")
 
-#: Each layer's modules, by package or module name (a name stands for the modules under it).
+#: Each layer's modules, by package or module name: a name stands for the modules under it, but
+#: ``planner`` for its ``__init__`` alone (each module of the package is placed).
 LAYERS: dict[str, tuple[str, ...]] = {
     "core": ("planner.core",),
     "milp": ("planner.milp",),
@@ -27,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "steps": ("planner.capture_options", "planner.module_plan", "planner.graph_break_plan", "planner.uncaptured",
               "planner.compiled_plan", "planner.measured_fit", "planner.loss_chunking", "planner.rank_zero"),
     "front doors": ("planner", "planner.pipeline", "planner.cli", "planner.cli_arguments", "planner.cli_messages",
-                    "planner.report", "planner.plot", "planner.check", "planner.testing",
+                    "planner.cli_options", "planner.report", "planner.plot", "planner.check", "planner.testing",
                     "planner.integrations"),
 }
 
@@ -47,7 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 
 #: Front doors that load without torch: ``import planner``, and the CLI until a command runs a model.
 FRONT_DOORS_WITHOUT_TORCH = ("planner", "planner.cli", "planner.cli_arguments",
-                             "planner.capture_options", "planner.report", "planner.plot", "planner.check")
+                             "planner.cli_options", "planner.capture_options", "planner.report", "planner.plot", "planner.check")
 
 
 def _modules() -> dict[str, Path]:
@@ -67,7 +68,8 @@ def layer_of(module: str) -> str | None:
     best, best_length = None, -1
     for layer, names in LAYERS.items():
         for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best_length:
+            under = module.startswith(name + ".") and name != "planner"
+            if (module == name or under) and len(name) > best_length:
                 best, best_length = layer, len(name)
     return best
 
@@ -100,6 +102,8 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_run_down_the_layers(module):
     layer = layer_of(module)
+    if layer is None:
+        pytest.skip("in no layer: test_every_module_has_a_layer names it")
     allowed = MAY_IMPORT[layer] | {layer}
     wrong = []
     for target, line in imports_of(module, MODULES[module]):

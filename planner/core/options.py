@@ -126,7 +126,7 @@ class SolveOptions:
         planner.core.errors.InputError: refine_s must be 0 or more seconds, got -1
     """
 
-    max_stages: int = option(32, "stages of the first stage model (more: finer plans, slower solves)")
+    max_stages: int = option(32, "stages the graph is reduced to for the first plan; more search finer, slower")
     solver: str | None = option(None, "solve every stage model as an ILP with this solver (HiGHS, CBC); "
                                        "default: the chain DP")
     time_limit_s: float = option(60.0, "seconds each ILP may take")
@@ -134,13 +134,16 @@ class SolveOptions:
     selective: bool = option(False, "also keep single outputs inside recomputed segments (selective policy)")
     refine_s: float = option(2.0, "seconds of local moves judged by the simulator (0: none)")
     polish: bool = option(False, "also run those moves on a plan the stage models found")
-    exact: bool | None = option(None, "run the exact search (default: on small graphs, or where the budget "
-                                       "is left unused)")
+    exact: bool | None = option(None, "prove the plan the cheapest over its stages or find a cheaper one (slower "
+                                      "on large graphs; by default it runs under 64 compute nodes, and under 512 "
+                                      "where the first plan leaves over 1 % of the budget unused)")
     finer_s: float = option(FINER_PASS_S, "seconds the finer rounds of one start may take (0: none)")
     exact_s: float = option(EXACT_SEARCH_S, "seconds the exact search may take when it runs by default")
     finer_rounds: int = option(FINER_PASS_ROUNDS, "times the stages are doubled after a plan (0: none)")
     short_segments: bool = option(True, "start also from short segments on many stages (deep graphs)")
-    max_solve_s: float | None = option(None, "seconds for everything after the first plan (default: no bound)")
+    max_solve_s: float | None = option(None, "stop improving each plan after this many seconds of solving and use "
+                                             "the cheapest found by then (the first plan runs to its own limit); "
+                                             "default: no bound, so plans do not depend on the machine's speed")
 
     def __post_init__(self) -> None:
         check_max_stages(self.max_stages)
