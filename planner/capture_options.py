@@ -1,5 +1,6 @@
 """How ``optimize`` captures and profiles a model: :class:`CaptureOptions`, one frozen object
-checked when made, whose fields' defaults ``optimize``'s keywords take.
+checked when made, whose fields' defaults ``optimize``'s keywords take. It imports no torch,
+so the command line reads its fields for its flags without loading torch.
 
 Example:
     >>> CaptureOptions().trace_method, CaptureOptions(compile=True).compile_backend
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.core.errors import InputError
-from profiling.measure import TrainingStep
-from profiling.trace import TRACE_METHODS
-from rewrite.compiled import COMPILE_BACKEND
+from planner.core.options import COMPILE_BACKEND, TRACE_METHODS, option
+
+if TYPE_CHECKING:
+    from profiling.measure import TrainingStep
 
 __all__ = ["CaptureOptions", "CAPTURE_METHODS"]
 
@@ -27,18 +29,33 @@ CAPTURE_METHODS = (*TRACE_METHODS, "graph-breaks", "modules")
 
 @dataclasses.dataclass(frozen=True)
 class CaptureOptions:
-    """How ``optimize`` captures and profiles the model (its docstring says what each does)."""
+    """How ``optimize`` captures and profiles the model: each field's default and one-line help
+    are declared here once (``optimize``'s docstring says more about each)."""
 
-    trace_method: str = "export"
-    timing_repeats: int = 2
-    cache_dir: str | None = None
-    progress: bool = False
-    simplify_attention_masks: bool = False
-    chunk_loss: bool = False
-    loss_fn: Callable[[Any], Any] | None = None
-    output_held: bool = False
-    #: run the step under ``torch.compile``: True (Inductor) or a backend name; False: eagerly
-    compile: bool | str = False
+    trace_method: str = option("export", "how the forward is captured: export or symbolic_trace (one graph; where "
+                                         "capture fails, graph-breaks, then modules), graph-breaks (the ops of the "
+                                         "eager step, for models with graph breaks) or modules (submodule calls, "
+                                         "coarser)")
+    timing_repeats: int = option(2, "warm training steps each node is timed in (more while they disagree)")
+    cache_dir: str | None = option(None, "a folder for profiles: another budget for the same model skips profiling")
+    progress: bool = option(False, "draw a tqdm bar while profiling")
+    simplify_attention_masks: bool = option(False, "pass is_causal instead of a constant causal mask to attention "
+                                                   "where the model passes the mask: a faster kernel, but other "
+                                                   "rounding and attention-dropout stream than the model's own "
+                                                   "(labelled in the output)")
+    chunk_loss: bool = option(False, "let the plan compute the output head and cross-entropy loss in row chunks "
+                                     "under checkpoint where that pays (a lower floor on language models): another "
+                                     "summation order, so the loss and gradients agree to rtol 1e-5, not bit for "
+                                     "bit (labelled in the output)")
+    loss_fn: Callable[[Any], Any] | None = option(None, "the criterion the loop applies to the model's output, "
+                                                        "profiled as part of the step (default: the output's loss "
+                                                        "field, else the sum of its outputs)")
+    output_held: bool = option(False, "plan for a training loop that keeps the model's output alive through the "
+                                      "backward (default: the output is dropped once the loss is taken, as in "
+                                      "model(**batch).loss.backward() and the HF Trainer)")
+    compile: bool | str = option(False, "plan for a training step run under torch.compile (Inductor unless a "
+                                         "backend is named): the plan honoured inside one compiled graph and checked "
+                                         "on the compiled step's measured peak (one compile per plan checked)")
 
     @property
     def compile_backend(self) -> str | None:
@@ -50,6 +67,8 @@ class CaptureOptions:
     @property
     def step(self) -> TrainingStep:
         """The training step profiled, planned for and measured."""
+        from profiling.measure import TrainingStep
+
         return TrainingStep(self.loss_fn, self.output_held)
 
     def __post_init__(self) -> None:

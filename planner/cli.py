@@ -19,8 +19,10 @@ Exit codes: 0 plan found, 1 a ``check`` regression, 2 usage or input error, 3 bu
 ``ckpt-planner:``, that say what to do; options are checked before a model is loaded.
 
 This module holds the three commands and :func:`main`; the flags are parsed by
-:mod:`planner.cli_arguments`, and :mod:`planner.cli_messages` checks budgets, words the errors
-and holds warnings until a command succeeds.
+:mod:`planner.cli_arguments` (those of the planning options made from their fields by
+:mod:`planner.cli_options`, which also builds the options back from them), and
+:mod:`planner.cli_messages` checks budgets, words the errors and holds warnings until a command
+succeeds.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from planner.bounds.reach import COVERING_TIME_LIMIT_S, recompute_bound
+from planner.capture_options import CaptureOptions
 from planner.check import baseline_from, baseline_key, check_same_model, compare, junit_xml, parse_tolerance
 from planner.check import read_baseline, render_check, stem_key, write_baseline
 from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
 from planner.cli_messages import command_logging, for_the_command_line
+from planner.cli_options import check_option_flags, option_values, options_from_args
 from planner.core.costgraph import protect_reads_before_writes
 from planner.core.errors import InfeasibleBudgetError, PlannerError
 from planner.core.options import PlanOptions
@@ -90,24 +94,19 @@ def load_entry_point(spec: str) -> tuple[Any, Any]:
 def _step(args: argparse.Namespace) -> Any:
     """The training step the command line plans for: the output's loss, the output held
     through the backward only with ``--output-held``."""
-    from profiling.measure import TrainingStep
-
-    return TrainingStep(output_held=args.output_held)
+    return options_from_args(args, CaptureOptions).step
 
 
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
     """The planning options the command line sets; the rest keep their defaults."""
-    return PlanOptions(max_stages=args.max_stages, exact=args.exact or None, max_solve_s=args.max_solve_s)
+    return options_from_args(args, PlanOptions)
 
 
 def _plan_command(args: argparse.Namespace) -> int:
     from planner.pipeline import optimize
 
     model, example_inputs = load_entry_point(args.target)
-    opt = optimize(model, example_inputs, budget_gb=args.budget_gb, max_stages=args.max_stages,
-                   exact=args.exact or None, max_solve_s=args.max_solve_s, trace_method=args.trace_method,
-                   simplify_attention_masks=args.simplify_attention_masks, chunk_loss=args.chunk_loss,
-                   output_held=args.output_held, compile=args.compile)
+    opt = optimize(model, example_inputs, budget_gb=args.budget_gb, **option_values(args))
     plan = opt.plan
     if args.format == "json":
         print(json.dumps({
@@ -168,7 +167,8 @@ def _captured(module: Any, inputs: Any, args: argparse.Namespace) -> Any:
 
     if isinstance(module, torch.fx.GraphModule):  # a saved program: its graph, made plannable as a captured one
         return prepare_saved_program(module, Path(args.target).name)
-    return trace_module(module, inputs, simplify_attention_masks=args.simplify_attention_masks)
+    return trace_module(module, inputs,
+                        simplify_attention_masks=options_from_args(args, CaptureOptions).simplify_attention_masks)
 
 
 def _check_command(args: argparse.Namespace) -> int:
@@ -278,7 +278,8 @@ def _report_command(args: argparse.Namespace) -> int:
 
     plain = trace()
     plain_graph = profile(plain)
-    _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=args.chunk_loss, trace=trace,
+    chunk_loss_on = options_from_args(args, CaptureOptions).chunk_loss
+    _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=chunk_loss_on, trace=trace,
                                                profile=profile, plan=plan_at)
     floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
     plans = (sweep(graph, options=_plan_options(args), points=args.sweep)
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     with command_logging(args.verbose) as held:
         try:
             check_budgets(args)
+            check_option_flags(args)  # a value an option's dataclass refuses fails before anything loads
             code = int(_COMMANDS[args.command](args))
         except InfeasibleBudgetError as exc:
             print(f"ckpt-planner: {for_the_command_line(str(exc))}", file=sys.stderr)

@@ -37,13 +37,12 @@ from typing import Any
 
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
-from planner.core.options import PlanOptions, check_budget_gb
+from planner.core.options import COMPILE_BACKEND, PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
 from profiling.measure import StepInputs, TrainingStep
-from rewrite.compiled import COMPILED_STEP, CompiledStep, compiled_step_peak_bytes
 from rewrite.attach import attach_to_user_modules
+from rewrite.compiled import COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_peak_bytes
 from rewrite.segments import apply_plan, module_copy
-from rewrite.compiled import COMPILE_BACKEND, check_compile_available
 
 __all__ = ["compile_backend_of", "plan_compiled"]
 

@@ -3,8 +3,8 @@
 The planner keeps ``safety_margin`` of the budget free for what its memory model does not see,
 and its prediction can sit a little above the allocator's figure. So a budget equal to a plan's
 own measured peak, such as the peak HuggingFace's every-layer checkpointing reaches, would be
-refused although that plan fits (the residual MLP at every-layer's peak, 63.2 MiB: refused by
-the 1 % margin alone, then met on measurement at 63.2 MiB, docs/tuning.md). When the smallest peak the planner predicts is within
+refused although that plan fits (docs/tuning.md#measured_fit_tolerance has one). When the
+smallest peak the planner predicts is within
 :data:`MEASURED_FIT_TOLERANCE` of the budget, :func:`plan_fitting_on_measurement` solves with no
 margin, rewrites the graph and measures one training step of each candidate at the allocator
 (``torch.profiler`` on CPU, ``max_memory_allocated`` on CUDA); the first whose measured peak is
@@ -46,8 +46,8 @@ __all__ = ["MEASURED_FIT_TOLERANCE", "plan_fitting_on_measurement"]
 log = logging.getLogger(__name__)
 
 #: How far above the budget's room the smallest predicted peak may be for plans to be measured
-#: rather than refused: the prediction's largest error above the allocator on the CPU quality
-#: models' every-layer plans was 1.1 % (docs/tuning.md, ``MEASURED_FIT_TOLERANCE``).
+#: rather than refused: the margin plus the prediction error the profiles are held to
+#: (docs/tuning.md#measured_fit_tolerance).
 MEASURED_FIT_TOLERANCE = 0.03
 
 

@@ -37,9 +37,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.core.costgraph import CostGraph, CostNode, Storage
-from rewrite.op_regions import UNCOUNTED_OPS
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
 from profiling.module_costgraph import calibrated
+from profiling.op_counting import UNCOUNTED_OPS
 from profiling.op_temporaries import measure_op_peaks
 from profiling.op_times import time_ops
 

@@ -26,8 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiling.measure import StepInputs, TrainingStep, allocation_events, memory_profile, preserved_state
+from profiling.op_counting import UNCOUNTED_OPS
 from profiling.temporaries import walk_events, window_peaks
-from rewrite.op_regions import UNCOUNTED_OPS
 
 __all__ = ["measure_op_peaks"]
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from profiling.measure import StepInputs, TrainingStep, preserved_state, run_step
-from rewrite.op_regions import UNCOUNTED_OPS
+from profiling.op_counting import UNCOUNTED_OPS
 
 __all__ = ["time_ops"]
 

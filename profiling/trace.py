@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from planner.core.errors import InputError, TraceError
+from planner.core.options import TRACE_METHODS
 from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.capture_guards import custom_functions_recorded, training_step_without_kv_cache
 from profiling.eager_attention import match_eager_attention
@@ -50,8 +51,6 @@ __all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", 
            "increment_buffer", "RUN_ONCE_OPS", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
-
-TRACE_METHODS = ("export", "symbolic_trace")
 
 
 def _in_backward() -> bool:

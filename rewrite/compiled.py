@@ -43,6 +43,7 @@ import torch.fx
 import torch.utils.checkpoint
 
 from planner.core.errors import InputError, PlannerError
+from planner.core.options import COMPILE_BACKEND
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state, run_step
 from rewrite.segments import CheckpointedSegment, checkpointed_call
 
@@ -60,8 +61,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The backend ``optimize(compile=True)`` compiles with: ``torch.compile``'s default.
-COMPILE_BACKEND = "inductor"
 #: ``gm.meta`` key of the :class:`CompiledStep` a graph module was compiled into.
 COMPILED_STEP = "checkpoint_planner_compiled_step"
 

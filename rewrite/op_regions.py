@@ -40,7 +40,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["OpRegion", "RegionRunner", "BATCH_NORM_STAT_ARGS", "UNCOUNTED_OPS"]
+from profiling.op_counting import UNCOUNTED_OPS
+
+__all__ = ["OpRegion", "RegionRunner", "BATCH_NORM_STAT_ARGS"]
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,6 @@ BATCH_NORM_STAT_ARGS: dict[str, tuple[int, ...]] = {
     "miopen_batch_norm": (3, 4),
     "_native_batch_norm_legit": (3, 4),
 }
-
-#: Ops autograd dispatches or not depending on whether saved-tensor hooks are active (saving an
-#: output detaches it): not counted, so op indices are the same with and without a region open.
-UNCOUNTED_OPS = frozenset({"aten.detach.default"})
 
 _PRODUCED, _EXTERNAL = "p", "e"
 

@@ -1,7 +1,8 @@
 """Each option is declared once (a field of ``PlanOptions`` or ``CaptureOptions`` with its
-default) and reaches every front door: ``optimize``'s keywords with the same defaults, the
-README's options table, and the CLI or a stated reason why not. A new field missing from any of
-them fails here."""
+default and help) and reaches every front door: ``optimize``'s keywords with the same defaults,
+the README's options table, and the CLI, whose flags are made from the fields, unless
+``planner.cli_options.NOT_ON_THE_CLI`` says why not. A new field missing from any of them fails
+here; a new field the CLI can take is a flag with no further edit."""
 
 from __future__ import annotations
 
@@ -9,31 +10,20 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import argparse
+
+import pytest
+
+from planner import InputError
+from planner.cli import main
 from planner.cli_arguments import build_parser
-from planner.core.options import PlanOptions, SolveOptions
+from planner.cli_options import COMMANDS, NOT_ON_THE_CLI, ONLY_ON, add_option_flags, flag_name, options_from_args
+from planner.core.options import PlanOptions, SolveOptions, option
 from planner.pipeline import CaptureOptions, optimize
 
 #: Fields of the solve's search that only ``solve``/``PlanOptions`` take: tuning knobs of the
 #: starts (docs/tuning.md), not options a user of ``optimize`` sets.
 SOLVER_TUNING = {"max_attempts", "refine_s", "polish", "finer_s", "exact_s", "finer_rounds", "short_segments"}
-
-#: Options of ``optimize`` the CLI does not take, and why.
-NOT_ON_THE_CLI = {
-    "reserve_gb": "the CLI plans a saved model, whose optimizer the budget does not see",
-    "safety_margin": "a library tuning knob",
-    "solver": "a library tuning knob",
-    "time_limit_s": "bounded by --max-solve-s on the command line",
-    "selective": "a library option",
-    "world_size": "the CLI plans one process",
-    "timing_repeats": "a library tuning knob",
-    "cache_dir": "the CLI profiles once per call",
-    "progress": "-v logs progress",
-    "loss_fn": "a Python callable",
-    "offload": "refused until a GPU has measured offload plans",
-    "host_link": "offload's; refused until a GPU has measured offload plans",
-    "host_bandwidth_gbps": "offload's; refused until a GPU has measured offload plans",
-    "pinned_host_gb": "offload's; refused until a GPU has measured offload plans",
-}
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +41,8 @@ def test_every_option_is_a_keyword_of_optimize_with_the_fields_default():
         assert parameters[name].default == default, f"optimize's default of {name} differs from its field's"
 
 
-def test_every_solve_field_has_its_one_line_help():
-    for field in dataclasses.fields(PlanOptions):
+def test_every_option_field_has_its_one_line_help():
+    for field in dataclasses.fields(PlanOptions) + dataclasses.fields(CaptureOptions):
         help_text = field.metadata.get("help", "")
         assert help_text and "\n" not in help_text, f"{field.name} has no one-line help"
     assert SOLVER_TUNING <= {f.name for f in dataclasses.fields(SolveOptions)}
@@ -65,10 +55,70 @@ def test_every_option_is_in_the_readme_table():
     assert not missing, f"options missing from README's table: {missing}"
 
 
-def test_every_option_is_a_cli_flag_or_says_why_not():
+def _flags_by_command() -> dict[str, dict[str, argparse.Action]]:
     parser = build_parser()
-    flags = {option.lstrip("-").replace("-", "_") for action in parser._subparsers._group_actions
-             for sub in action.choices.values() for a in sub._actions for option in a.option_strings}
-    for name in _user_options():
-        assert name in flags or name in NOT_ON_THE_CLI, f"option {name} is neither a CLI flag nor in NOT_ON_THE_CLI"
-    assert not set(NOT_ON_THE_CLI) & flags, "an option listed as off the CLI has a flag now"
+    return {name: {option: action for action in sub._actions for option in action.option_strings}
+            for group in parser._subparsers._group_actions for name, sub in group.choices.items()}
+
+
+def _all_fields() -> list[dataclasses.Field]:
+    return [*dataclasses.fields(SolveOptions), *dataclasses.fields(PlanOptions), *dataclasses.fields(CaptureOptions)]
+
+
+def test_every_option_field_is_a_cli_flag_or_says_why_not():
+    flags = _flags_by_command()
+    for field in _all_fields():
+        commands = [command for command in COMMANDS if flag_name(field.name) in flags[command]]
+        if field.name in NOT_ON_THE_CLI:
+            assert not commands, f"{field.name} is in NOT_ON_THE_CLI but a flag of {commands}"
+            continue
+        expected = list(ONLY_ON.get(field.name, (COMMANDS, ""))[0])
+        assert commands == expected, f"{field.name} is a flag of {commands}, not of {expected}"
+        action = flags[expected[0]][flag_name(field.name)]
+        assert action.dest == field.name and action.default == field.default, field.name
+        assert field.metadata["help"].split()[0] in action.help, field.name
+    names = {f.name for f in _all_fields()}
+    assert set(NOT_ON_THE_CLI) <= names and set(ONLY_ON) <= names, "a stated reason names no field"
+    assert all(reason for reason in NOT_ON_THE_CLI.values())
+
+
+def test_a_new_field_is_a_flag_with_no_further_edit():
+    @dataclasses.dataclass(frozen=True)
+    class Wider(PlanOptions):
+        depth_limit: int | None = option(None, "how deep the search may go")
+        patience_s: float = option(1.5, "seconds of patience")
+        verbose_solve: bool = option(False, "log every stage model")
+
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, "report", classes=(Wider, CaptureOptions))
+    args = parser.parse_args(["--depth-limit", "7", "--verbose-solve", "--max-stages", "4"])
+    wider = options_from_args(args, Wider)
+    assert (wider.depth_limit, wider.patience_s, wider.verbose_solve, wider.max_stages) == (7, 1.5, True, 4)
+    assert "--patience-s" in parser.format_help() and "seconds of patience (default 1.5)" in parser.format_help()
+
+
+def test_a_field_the_cli_cannot_take_must_say_why():
+    @dataclasses.dataclass(frozen=True)
+    class WithCallable(PlanOptions):
+        scorer: object = option(None, "a Python object")
+
+    with pytest.raises(TypeError, match="NOT_ON_THE_CLI"):
+        add_option_flags(argparse.ArgumentParser(), "plan", classes=(WithCallable,))
+
+
+def test_the_plan_command_passes_every_flag_to_optimize(monkeypatch, capsys):
+    import planner.pipeline
+
+    seen = {}
+
+    def record(model, example_inputs, **keywords):
+        seen.update(keywords)
+        raise InputError("recorded")
+
+    monkeypatch.setattr(planner.pipeline, "optimize", record)
+    monkeypatch.setattr("planner.cli.load_entry_point", lambda spec: (None, ()))
+    assert main(["plan", "m:f", "--budget-gb", "1", "--max-stages", "8", "--exact", "--trace-method", "modules",
+                 "--output-held", "--compile"]) == 2
+    assert "recorded" in capsys.readouterr().err
+    assert seen == {"budget_gb": 1.0, "max_stages": 8, "exact": True, "max_solve_s": None, "trace_method": "modules",
+                    "simplify_attention_masks": False, "chunk_loss": False, "output_held": True, "compile": True}

@@ -20,9 +20,9 @@ live only in two ways, whatever its segments and kept outputs:
   live at the backward of every node from the reader on; a kept output is released by its
   segment's recompute, which comes first only where the segment reaches that moment's
   recompute and pays the selective policy on every node up to it
-  (:mod:`planner.bounds.backward_holds`). At checkpoint-every-layer's peak on the H100
-  profiles (the loss's backward) this hold is most of what the bound would otherwise count as
-  free: a residual add rerun without the projection before it (docs/benchmarks/bound_gap.md).
+  (:mod:`planner.bounds.backward_holds`). Without this hold the bound would count as free,
+  for one, a residual add rerun without the projection before it
+  (docs/benchmarks/bound_gap.md measures what the hold closes).
 
 So with a binary ``x[n]`` for "node ``n`` runs again", every plan that fits satisfies, at each
 moment where the unoptimized step exceeds the budget::
@@ -36,9 +36,8 @@ HiGHS (its dual bound) or, with CBC, by the LP relaxation, is a lower bound on t
 of every plan, kept outputs included, by the plan's own account (the simulator's memory and
 the profile's costs); ``kept_outputs=False`` bounds plans of whole segments, where every such
 transient is held. It is far cheaper than :mod:`planner.bounds.reach` (one binary per node and
-per node a selective policy may span, no segment breaks): milliseconds to a second on the
-quality models for whole segments; with kept outputs up to its time limit on the largest
-H100 profiles. Because it ignores the memory a recompute itself adds in the backward, and
+per node a selective policy may span, no segment breaks; docs/tuning.md#covering_time_limit_s
+has its times). Because it ignores the memory a recompute itself adds in the backward, and
 that a segment reruns every node up to its last save, it can stay below the cheapest plan.
 
 Example:

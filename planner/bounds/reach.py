@@ -67,7 +67,8 @@ __all__ = ["RecomputeBound", "recompute_bound"]
 
 log = logging.getLogger(__name__)
 
-#: at most this long for the covering bound of :mod:`planner.bounds.covering` (it takes under a second on the quality models)
+#: at most this long for the covering bound of :mod:`planner.bounds.covering`
+#: (docs/tuning.md#covering_time_limit_s)
 COVERING_TIME_LIMIT_S = 30.0
 
 
@@ -121,16 +122,12 @@ def recompute_bound(
     :func:`planner.bounds.covering.covering_bound` (for at most :data:`COVERING_TIME_LIMIT_S`) and
     :func:`planner.bounds.segment_covering.segment_covering_bound` (for up to ``time_limit_s`` more) is
     returned. The account is constrained at the ``max_moments`` fullest moments of the
-    unoptimized step (fewer moments can only lower the bound). On a 4-layer GPT-2 (222 compute
-    nodes) building the account takes about 30 s and HiGHS does not close its gap in 300 s.
-    ``presolve=False`` turns HiGHS's presolve off: on a 4-layer Llama (303 compute nodes) HiGHS
-    with presolve proved no bound in 300 s, without it one far above the previous cheap bound
-    (a fractional knapsack per moment); on GPT-2 the two bounds came within 3 % of each other.
-    ``with_account=False`` returns the covering bound alone (under a second on the quality
-    models, where building the account takes 30 to 60 s); it covers plans with kept outputs.
-    The segment covering bound is the one that knows a recompute's memory at a tolerable price:
-    on a 4-layer Llama at checkpoint-every-layer's peak it proves 44 ms in 120 s for plans of
-    whole segments, where the covering bound proves 29 ms and the account no more.
+    unoptimized step (fewer moments can only lower the bound); on real models building it
+    takes tens of seconds and HiGHS does not close its gap in minutes. ``presolve=False`` turns
+    HiGHS's presolve off, where with it HiGHS may prove no bound at all. ``with_account=False``
+    returns the covering bound alone, without the account's build; it covers plans with kept
+    outputs. The segment covering bound is the one that knows a recompute's memory at a
+    tolerable price. docs/tuning.md#recompute_bound has the times and bounds measured.
 
     Example:
         See the module docstring.

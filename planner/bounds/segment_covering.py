@@ -29,9 +29,9 @@ these, kept outputs included (``kept_outputs=False`` bounds plans of whole segme
 is what the planner emits by default), so the least cost under them, proven by HiGHS (its dual
 bound, valid at its time limit too) or by the LP relaxation with CBC, is a lower bound, never
 below the covering bound's model. It is a MILP with one binary per node and per gap between
-nodes, and a continuous variable per storage and over-budget backward moment: on a 4-layer
-Llama (303 compute nodes) HiGHS does not close it in 120 s, and its bound after 120 s is
-half again the covering bound's.
+nodes, and a continuous variable per storage and over-budget backward moment, which HiGHS
+does not close within minutes on real models, though its bound by then is well above the
+covering bound's (docs/tuning.md#segment_covering_bound).
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -232,7 +232,7 @@ def segment_covering_bound(
     MILP of the module docstring over the ``max_moments`` fullest moments of the unoptimized
     step (fewer moments can only lower it): HiGHS's dual bound after at most ``time_limit_s``
     (where installed, unless ``solver="CBC"``), else, or when HiGHS stops before proving any,
-    the LP relaxation (CBC: about 7 s on a 4-layer Llama); where HiGHS stops before closing
+    the LP relaxation (CBC); where HiGHS stops before closing
     the gap, the larger of that and the LP relaxation by HiGHS (within ``time_limit_s`` more).
     ``kept_outputs=False`` bounds plans of whole segments only. ``inf`` when no plan fits by this account, 0 when the
     unoptimized step fits.
@@ -259,7 +259,7 @@ def segment_covering_bound(
     value, method = proven_bound(model.prob, time_limit_s, solver)
     if solver != "CBC" and "within the" not in method and "HiGHS" in available_solvers():
         # HiGHS's root can take longer than its time limit where its LP relaxation alone
-        # takes about a minute (T5 on an H100, 754 compute nodes) and proves more
+        # proves more (docs/tuning.md#segment_covering_bound)
         relaxed = highs_lp_bound(model.prob, time_limit_s)
         if relaxed > value:
             value, method = relaxed, "LP relaxation (HiGHS)"

@@ -21,7 +21,12 @@ from planner.core.units import GIB
 
 __all__ = ["SolveOptions", "PlanOptions", "with_overrides", "FINER_PASS_S", "FINER_PASS_ROUNDS",
            "EXACT_SEARCH_S", "check_budget_gb", "check_budget_choice", "check_offload_device",
-           "MAX_PLAUSIBLE_BUDGET_GB"]
+           "MAX_PLAUSIBLE_BUDGET_GB", "TRACE_METHODS", "COMPILE_BACKEND", "option"]
+
+#: The ways :func:`profiling.trace.trace_module` captures a forward as one graph.
+TRACE_METHODS = ("export", "symbolic_trace")
+#: The backend ``optimize(compile=True)`` compiles with: ``torch.compile``'s default.
+COMPILE_BACKEND = "inductor"
 
 #: A budget above this many GiB is taken for a unit mistake (MiB or bytes passed as GiB): no
 #: single accelerator holds a terabyte.
@@ -91,8 +96,18 @@ FINER_PASS_ROUNDS = 2
 EXACT_SEARCH_S = 30.0
 
 
-def _option(default: object, help: str) -> Any:
-    """A dataclass field with its default and its one-line ``help``, read by the front doors."""
+def option(default: object, help: str) -> Any:
+    """A dataclass field with its default and its one-line ``help``, read by the front doors
+    (the CLI makes a flag of it, :mod:`planner.cli_options`).
+
+    Example:
+        >>> from dataclasses import dataclass, fields
+        >>> @dataclass(frozen=True)
+        ... class Knobs:
+        ...     depth: int = option(3, "how deep")
+        >>> Knobs().depth, fields(Knobs)[0].metadata["help"]
+        (3, 'how deep')
+    """
     return field(default=default, metadata={"help": help})
 
 
@@ -111,21 +126,24 @@ class SolveOptions:
         planner.core.errors.InputError: refine_s must be 0 or more seconds, got -1
     """
 
-    max_stages: int = _option(32, "stages of the first stage model (more: finer plans, slower solves)")
-    solver: str | None = _option(None, "solve every stage model as an ILP with this solver (HiGHS, CBC); "
+    max_stages: int = option(32, "stages the graph is reduced to for the first plan; more search finer, slower")
+    solver: str | None = option(None, "solve every stage model as an ILP with this solver (HiGHS, CBC); "
                                        "default: the chain DP")
-    time_limit_s: float = _option(60.0, "seconds each ILP may take")
-    max_attempts: int = _option(8, "times a stage model's target is lowered until its plan's replay fits")
-    selective: bool = _option(False, "also keep single outputs inside recomputed segments (selective policy)")
-    refine_s: float = _option(2.0, "seconds of local moves judged by the simulator (0: none)")
-    polish: bool = _option(False, "also run those moves on a plan the stage models found")
-    exact: bool | None = _option(None, "run the exact search (default: on small graphs, or where the budget "
-                                       "is left unused)")
-    finer_s: float = _option(FINER_PASS_S, "seconds the finer rounds of one start may take (0: none)")
-    exact_s: float = _option(EXACT_SEARCH_S, "seconds the exact search may take when it runs by default")
-    finer_rounds: int = _option(FINER_PASS_ROUNDS, "times the stages are doubled after a plan (0: none)")
-    short_segments: bool = _option(True, "start also from short segments on many stages (deep graphs)")
-    max_solve_s: float | None = _option(None, "seconds for everything after the first plan (default: no bound)")
+    time_limit_s: float = option(60.0, "seconds each ILP may take")
+    max_attempts: int = option(8, "times a stage model's target is lowered until its plan's replay fits")
+    selective: bool = option(False, "also keep single outputs inside recomputed segments (selective policy)")
+    refine_s: float = option(2.0, "seconds of local moves judged by the simulator (0: none)")
+    polish: bool = option(False, "also run those moves on a plan the stage models found")
+    exact: bool | None = option(None, "prove the plan the cheapest over its stages or find a cheaper one (slower "
+                                      "on large graphs; by default it runs under 64 compute nodes, and under 512 "
+                                      "where the first plan leaves over 1 % of the budget unused)")
+    finer_s: float = option(FINER_PASS_S, "seconds the finer rounds of one start may take (0: none)")
+    exact_s: float = option(EXACT_SEARCH_S, "seconds the exact search may take when it runs by default")
+    finer_rounds: int = option(FINER_PASS_ROUNDS, "times the stages are doubled after a plan (0: none)")
+    short_segments: bool = option(True, "start also from short segments on many stages (deep graphs)")
+    max_solve_s: float | None = option(None, "stop improving each plan after this many seconds of solving and use "
+                                             "the cheapest found by then (the first plan runs to its own limit); "
+                                             "default: no bound, so plans do not depend on the machine's speed")
 
     def __post_init__(self) -> None:
         check_max_stages(self.max_stages)
@@ -179,13 +197,13 @@ class PlanOptions(SolveOptions):
         True
     """
 
-    reserve_gb: float = _option(0.0, "GiB kept outside the plan (optimizer state, other tensors)")
-    safety_margin: float = _option(0.01, "share of the rest of the budget kept free")
-    world_size: int = _option(1, "ranks the parameters and their gradients are sharded over (FSDP/ZeRO-3)")
-    offload: bool = _option(False, "held outputs may also go to pinned host memory (CUDA; predicted only)")
-    host_link: str = _option("h100", "the host link whose bandwidths price the copies (planner.core.offload.HOST_LINKS)")
-    host_bandwidth_gbps: float | None = _option(None, "host link bandwidth both ways in GB/s, instead of host_link's")
-    pinned_host_gb: float | None = _option(None, "most GiB of pinned host memory the copies may hold")
+    reserve_gb: float = option(0.0, "GiB kept outside the plan (optimizer state, other tensors)")
+    safety_margin: float = option(0.01, "share of the rest of the budget kept free")
+    world_size: int = option(1, "ranks the parameters and their gradients are sharded over (FSDP/ZeRO-3)")
+    offload: bool = option(False, "held outputs may also go to pinned host memory (CUDA; predicted only)")
+    host_link: str = option("h100", "the host link whose bandwidths price the copies (planner.core.offload.HOST_LINKS)")
+    host_bandwidth_gbps: float | None = option(None, "host link bandwidth both ways in GB/s, instead of host_link's")
+    pinned_host_gb: float | None = option(None, "most GiB of pinned host memory the copies may hold")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,7 +10,7 @@ of the planner, which runs one thread, fail with "found no feasible plan".
 
 A solve that runs far past its time limit is abandoned: HiGHS 1.16.0 can loop for ever in its
 presolve (``strengthenInequalities``, inside a RENS sub-MIP's presolve; no time limit reaches
-it), which hung a sweep on a 2-layer GPT-2 profile at 100 % of one core. The solve runs on a
+it), holding one core at 100 % (docs/tuning.md#overrun_s). The solve runs on a
 daemon thread; when it has not returned :data:`OVERRUN_S` seconds (plus a quarter of the limit)
 after its time limit, :class:`HighsOverrunError` (a ``PulpSolverError``, so the planner solves
 that model with CBC instead) is raised, and HiGHS is reported unavailable for the rest of the
@@ -52,9 +52,8 @@ __all__ = ["HighsOverrunError", "PlannerHiGHS", "stopped_at_node_limit", "NO_PRO
 log = logging.getLogger(__name__)
 
 #: HiGHS's ``presolve_rule_off`` bit for probing (``2 ** kPresolveRuleProbing``, the value its
-#: own "time limit reached in probing" message names). On the stage ILP of a 3,912-node graph
-#: (1,642 columns, 38,091 nonzeros) probing took 13 of a 20 s solve; without it the same
-#: optimum in 3.6 s (the stage ILP's rows are long running sums, which probing handles slowly)
+#: own "time limit reached in probing" message names): the stage ILP's rows are long running
+#: sums, which probing handles slowly (docs/tuning.md#no_probing)
 NO_PROBING = {"presolve_rule_off": 1 << 15}
 #: seconds past its time limit (plus a quarter of the limit) after which a HiGHS solve is
 #: abandoned as stuck; HiGHS itself stops within about a second of its limit

@@ -19,9 +19,9 @@ memory check, and partial choices with the same held groups are compared like la
 labels past the segment carry which options they kept.
 
 The labels are numpy arrays per (stage, held groups). Every label no other dominates is kept,
-so the result is the account's optimum. Their number is what the search costs: about a
-million (0.6 s) on a 24-layer GPT-2 on 491 stages, ten million (6 s) on a 94-layer one on
-1,024 stages; past ``max_labels`` it stops with :class:`ChainSearchTooLarge`. The room a
+so the result is the account's optimum. Their number is what the search costs
+(docs/tuning.md#default_max_labels has it on the largest models the default solve builds);
+past ``max_labels`` it stops with :class:`ChainSearchTooLarge`. The room a
 label needs for each segment from a stage comes from :mod:`planner.solvers.chain_rooms`, for all
 of them at once, and the labels reaching a (stage, held groups) are pruned as they arrive
 (:mod:`planner.solvers.chain_labels`).

@@ -3,9 +3,9 @@
 Each label of the chain DP (:mod:`planner.solvers.chain_dp`) is a partial plan's stored MiB and
 cost; of the labels reaching one (stage, held groups) only those no other beats on both are
 kept (:func:`pruned`). They arrive in chunks, one per label block and segment, each sorted by
-stored MiB. On a T5 with 32 stages a block, 98 % of the 38 million labels that arrived at the
-386-stage start's blocks were beaten: :class:`Inbox` keeps the front of what arrived so far and
-drops each new label that front already beats before it is copied and sorted.
+stored MiB. On deep models nearly all of them are beaten (docs/tuning.md#merge_at_labels):
+:class:`Inbox` keeps the front of what arrived so far and drops each new label that front
+already beats before it is copied and sorted.
 
 Example:
     >>> inbox = Inbox()
@@ -32,8 +32,8 @@ def pruned(stored: np.ndarray, cost: np.ndarray, *rest: np.ndarray) -> tuple[np.
     that go with them)."""
     # Sorted by (stored, cost, position), each label kept if cheaper than all before it. The
     # labels arrive as a few runs already sorted by stored MiB, which a stable sort on that key
-    # alone merges fast (2 to 3 times faster than a two-key sort on a million labels); of equal
-    # stored MiB only the first cheapest can be kept, so it stands for its run.
+    # alone merges faster than a two-key sort (docs/tuning.md#pruned); of equal stored MiB only
+    # the first cheapest can be kept, so it stands for its run.
     order = np.argsort(stored, kind="stable")
     if len(order) > 1:
         by_stored, by_cost = stored[order], cost[order]

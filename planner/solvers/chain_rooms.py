@@ -6,7 +6,7 @@ For a segment ``(j, b)`` entered with the groups ``held``, the chain DP
 left in the forward (``room_forward[i]`` plus what of the now-held groups is live there anyway)
 and in the backward (``room_backward[i]`` less what the segment holds again by ``i``), less what
 taking its inputs adds. Summed one stage and one segment at a time in Python, that is most of
-a solve on a T5 with 32 stages a block (386 stages, segments up to 64 stages).
+a solve on many stages with long segments (docs/tuning.md#merge_at_labels times both).
 :class:`SegmentRooms` builds, once per start stage, matrices over the segments from it and the
 stages they span, so that one label block's rooms for all its segments are a few array
 operations.

@@ -48,21 +48,19 @@ def on_finer_stages(
     such limit); repeated on twice as many stages again, up to ``rounds`` times in all, while a
     round finds a cheaper plan, the doubled stages would be at most half the compute nodes, the
     ILP would have at most :data:`FINER_ROUND_MAX_CANDIDATES` candidate segments and
-    ``time_limit_s`` (for all rounds together) is not spent (on the 4-layer GPT-2 and BERT
-    profiles, 222 and 128 compute nodes, a second round on about 140 stages found nothing in
-    9 to 13 s). With ``every_round_capped`` (a start from :func:`short_segments_plan`, already
+    ``time_limit_s`` (for all rounds together) is not spent (docs/tuning.md#finer_pass_rounds
+    says why half). With ``every_round_capped`` (a start from :func:`short_segments_plan`, already
     on many stages) the first round is held to the same limits; otherwise the first round may
     have at most ``first_round_max_candidates`` candidate segments (None: no limit). Finer
     stages let a segment end right after a node that saves only its inputs (a linear: its
-    matmul is never recomputed) where the coarse cuts could not; on the residual MLP at half
-    its peak the predicted recompute fell from 16.6 % to 13.0 % of the step, on a 4-layer
-    GPT-2 from 21 % to 16 %. Deeper graphs gain from a second round (``SolveOptions.finer_rounds``, :data:`planner.core.options.FINER_PASS_ROUNDS`).
+    matmul is never recomputed) where the coarse cuts could not. Deeper graphs gain from a
+    second round (``SolveOptions.finer_rounds``, :data:`planner.core.options.FINER_PASS_ROUNDS`;
+    docs/tuning.md#finer_pass_rounds has what each round bought).
 
-    The search does not start from ``plan``: HiGHS 1.16 with presolve, given ``plan`` as a MIP
-    start (``Highs.setSolution``), proved the start optimal at the root on a 4-layer GPT-2 at
-    half its peak on 71, 83 and 95 stages, where the same models solved without a start found
-    plans 25 % cheaper within the node limit (without presolve the start was no trap, but
-    100 nodes took 30 to 55 s).
+    The search does not start from ``plan``: given as a MIP start (``Highs.setSolution``),
+    HiGHS's presolve can prove it optimal at the root and return it unchanged, where the same
+    model solved without a start finds a cheaper plan within the node limit
+    (docs/tuning.md#finer_pass_nodes).
     """
     deadline = time.perf_counter() + time_limit_s
     best = plan

@@ -98,8 +98,8 @@ def keepable_in_segment(graph: CostGraph, node_names: Sequence[str]) -> list[str
     """The nodes of a segment over ``node_names`` a selective policy may keep: those the
     profiler marked ``selective_save``, before the segment's last node that saves something
     for backward. The recompute stops after that node, so later ones never re-run; the node
-    itself is not kept either: kept, it measured 9 MiB above the replay on a GPT-2 of width
-    768 (its output cache outlived the recompute).
+    itself is not kept either: kept, its output cache outlives the recompute, above what the
+    replay counts (docs/tuning.md#keepable_in_segment).
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage

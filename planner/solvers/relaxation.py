@@ -333,9 +333,8 @@ def search_cheapest(
     """The cheapest plan over ``stages`` that fits ``budget_bytes`` if it costs less than
     ``incumbent_ms`` (the plan in hand; ``inf`` when there is none), by the search in the
     module docstring. A finite ``incumbent_ms`` is also a cut-off in the MILP (its objective at
-    most that), so the solver prunes what cannot beat it: on a 50-node MLP whose plan from
-    finer stages was far cheaper than this chain's optimum the search took 0.3 to 0.4 s where
-    it had taken 1 to 7 s.
+    most that), so the solver prunes what cannot beat it, which shortens the search where the
+    plan in hand is cheap (docs/tuning.md#search_cheapest).
 
     ``run_milp(prob)`` solves a PuLP problem (the caller's solver, gap and time limit) and
     returns the solver's name. At most ``max_candidates`` candidates are replayed; the account

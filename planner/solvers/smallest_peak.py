@@ -62,8 +62,7 @@ def minimum_peak_plan(
     With ``lower_by_dp`` and no ``solver`` named (the chain DP's path), it is then lowered by
     the chain DP's starts of :func:`solve` (:func:`_lowest_by_dp_starts`): the first stage
     model at targets raised above the budget and, on deep graphs, the starts on many short
-    stages meet budgets below the ILP's smallest peak (fake-profiled GPT-2s of 17 and 94
-    layers: 33.8 and 29.7 % of their peak against 34.5 and 31.1 %).
+    stages meet budgets below the ILP's smallest peak (docs/tuning.md#dp_descent_first_step).
 
     Its ``predicted_peak_bytes`` is the smallest budget :func:`solve` accepts.
 
@@ -115,8 +114,7 @@ def minimum_peak_plan(
 
 def exact_search_on(graph: CostGraph, exact: bool | None) -> bool:
     """``exact``, or by default whether the graph is small enough (under 64 compute nodes) for
-    the exact search to be quick (0.01 to 0.05 s on random graphs of 10 to 14 nodes; on a
-    50-node residual MLP 0.2 to 3 s, most near its smallest peak)."""
+    the exact search to be quick (docs/tuning.md#all_cuts_below)."""
     return len(graph.compute_nodes) < ALL_CUTS_BELOW if exact is None else exact
 
 
@@ -129,7 +127,8 @@ def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Seg
     ``infeasible_bytes`` (a budget proven to fit no plan) or the persistent bytes. Stops within
     0.1 % of the smallest peak over the stages, at the first search that neither finds nor
     proves, or after ``time_limit_s`` for all searches together: just below the smallest peak
-    a search can replay its 32 candidates without either (on a 27-node graph, 2 s each)."""
+    a search can replay all its candidates without either, slowly
+    (docs/tuning.md#_lowest_by_bisection)."""
     name = choose_solver(solver)
     deadline = time.perf_counter() + time_limit_s
     low = max(graph.persistent_bytes, infeasible_bytes + 1)
@@ -160,8 +159,8 @@ def _lowest_by_dp_starts(graph: CostGraph, model: StageModel, segments: list[Seg
     within :data:`DP_DESCENT_PRECISION` of it or until ``time_limit_s`` runs out. A budget is met
     when any start's plan fits it in the simulator, as in :func:`solve`, so the peak this
     returns is one :func:`solve` meets too (its fallback, this search, finds the same plan)."""
-    # not the finest start: on the 4-layer quality models it found no lower peak, at 2 to 6 s a
-    # budget; the shapes above it found every lower one measured (17 to 94 layers)
+    # not the finest start: it found no lower peak, at seconds a budget; the shapes above it
+    # found every lower one measured (docs/tuning.md#dp_descent_first_step)
     shapes = short_segment_shapes(len(graph.compute_nodes), max_stages)
     deadline = time.perf_counter() + time_limit_s
 

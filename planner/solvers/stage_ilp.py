@@ -113,9 +113,8 @@ class IlpResult:
 def run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True,
                 node_limit: int | None = None) -> str:
     """Solve ``prob`` with ``name``; when that solver fails to run, with another installed one.
-    ``presolve=False`` turns HiGHS's presolve off (the exact search's models: on one of them
-    HiGHS 1.16.0's presolve ran for over 13 minutes past a 3 s time limit, while the solve
-    without it took 0.16 s)."""
+    ``presolve=False`` turns HiGHS's presolve off, for the exact search's models, where it can
+    run far past the time limit (docs/tuning.md#run_solver)."""
     try:
         prob.solve(_solver_named(name, time_limit_s, presolve, node_limit))
         return name

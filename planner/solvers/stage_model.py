@@ -90,7 +90,7 @@ def keep_options_of(graph: CostGraph, stage: Stage, returned: set[int]) -> list[
     (:func:`planner.solvers.keep.keepable_in_segment`), so there are two options: the nodes before
     the stage's last saving node (allowed in any stage of a segment), and all of them (only in
     a stage that does not end its segment). An option keeping every keepable node made the ILP
-    slower (46 s against 20 s on a 283-node GPT-2) and its plans no cheaper, so it is not
+    slower and its plans no cheaper (docs/tuning.md#keep_options_of), so it is not
     offered; the keep pass after the ILP (:func:`planner.solvers.keep.keep_outputs`) adds such nodes
     one by one where they fit.
 

@@ -163,8 +163,7 @@ def loosened_plan(graph: CostGraph, model: StageModel, plan: Plan | None, budget
     over it, then :data:`LOOSEN_BISECT_STEPS` bisection steps between that target and the last
     that fitted (or the budget); only on models of at
     most :data:`LOOSEN_MAX_CANDIDATES` candidate segments and no keep options, where a DP
-    solve takes a fraction of a second (with keep options, 0.3 s on a 17-layer GPT-2's 33
-    stages)."""
+    solve takes a fraction of a second (docs/tuning.md#loosen_max_candidates)."""
     if len(model.segments) > LOOSEN_MAX_CANDIDATES or any(model.keep_options):
         return plan
     best = plan
