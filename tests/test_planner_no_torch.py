@@ -600,7 +600,7 @@ def test_search_cheapest_cuts_off_at_the_incumbent():
 
     stage_ilp = importlib.import_module("planner.solvers.stage_ilp")
     g = chain([1, 4, 2, 4, 1, 3], [1.0, 3.0, 1.0, 2.0, 1.0, 2.0])
-    stages = build_stages(g)
+    stages = build_stages(g, 32)
     budget = int(simulate(g).peak_bytes * 0.8)
 
     def run(prob):
@@ -628,7 +628,7 @@ def test_a_target_raised_above_the_budget_finds_plans_that_fit_it():
     for seed in range(6, 18):
         g = random_dag(seed, 12)
         unoptimized = simulate(g).peak_bytes
-        stages = build_stages(g)
+        stages = build_stages(g, 32)
         model = build_stage_model(g, stages, max_segment_stages=len(stages))
         for fraction in (0.8, 0.9):
             budget = int(unoptimized * fraction)

@@ -292,7 +292,7 @@ def test_optimistic_account_never_exceeds_the_simulator(seed, n, picks):
     costly: the account never predicts more than the simulator for a plan, so it cannot cut
     that plan off."""
     g = random_dag(seed, n)
-    stages = build_stages(g)
+    stages = build_stages(g, 32)
     runs = sorted({(min(a, b), max(a, b)) for a, b in zip(picks[::2], picks[1::2])
                    for a, b in [(a % len(stages), b % len(stages))]})
     chosen = [r for i, r in enumerate(runs) if all(r[0] > o[1] or r[1] < o[0] for o in runs[:i])

@@ -71,6 +71,7 @@ from planner.bounds.covering import (
 )
 from planner.bounds.storage_uses import StorageUses
 from planner.core.costgraph import CostGraph, CostNode
+from planner.core.options import SolveOptions
 from planner.solvers.stage_ilp import available_solvers
 from planner.core.simulate import SimulationResult
 
@@ -225,7 +226,7 @@ def segment_covering_bound(
     objective: str = "time",
     kept_outputs: bool = True,
     max_moments: int = 256,
-    time_limit_s: float = 60.0,
+    time_limit_s: float = SolveOptions.time_limit_s,
     solver: str | None = None,
 ) -> LowerBound:
     """The least recompute time (ms) or FLOPs any plan fitting ``budget_bytes`` needs, by the

@@ -67,7 +67,7 @@ def crossing_bytes(graph: CostGraph) -> list[int]:
     return out
 
 
-def build_stages(graph: CostGraph, max_stages: int = 32, required_cuts: Collection[int] = ()) -> list[Stage]:
+def build_stages(graph: CostGraph, max_stages: int, required_cuts: Collection[int] = ()) -> list[Stage]:
     """Split the compute nodes into at most about ``max_stages`` stages at low-crossing cuts,
     plus a cut before each compute-node position in ``required_cuts`` (the boundaries of a
     plan that must stay expressible)."""

@@ -34,7 +34,7 @@ Example:
     ...     nodes.append(CostNode(f"n{i}", "relu", input_names=(nodes[-1].name,), output_storages=(i,),
     ...                           saved_storages=(i,), output_bytes=2**20, requires_grad=True, time_ms=1.0))
     >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 2**20, i == 0) for i in range(7)), ("n6",))
-    >>> stages = build_stages(g)
+    >>> stages = build_stages(g, max_stages=32)
     >>> def run(prob):
     ...     prob.solve(pulp.PULP_CBC_CMD(msg=False))
     ...     return "CBC"
