@@ -111,6 +111,10 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
             plan = graph_break_plan(solved_on, budget_gb, options)
         except InfeasibleBudgetError as refusal:
             fitted = _fitting_on_measurement(graph, budget_gb, options, refusal, measured, room_bytes)
+            if isinstance(fitted, int):  # the smallest-peak plan measured above the floor the prediction named
+                raise InfeasibleBudgetError(refusal.budget_bytes, max(refusal.min_feasible_bytes, fitted),
+                                            "the smallest-peak plan measured above its prediction",
+                                            refusal.unoptimized_peak_bytes) from None
             if fitted is None:
                 raise
             return (*fitted, graph)
@@ -130,10 +134,13 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
 
 
 def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOptions, refusal: InfeasibleBudgetError,
-                            measured: Any, room_bytes: int) -> tuple[Plan, tuple[tuple[int, int], ...]] | None:
+                            measured: Any, room_bytes: int) -> tuple[Plan, tuple[tuple[int, int], ...]] | int | None:
     """Where the prediction refuses the budget (it can sit above the allocator's figure), the
     hand-placed plans (cheapest first) and the smallest-peak plan predicted within
-    :data:`MEASURED_FIT_TOLERANCE` of it, measured: the first whose step fits, else None."""
+    :data:`MEASURED_FIT_TOLERANCE` of it, measured: the first whose step fits. Where none fits
+    and the smallest-peak plan measured above the floor the refusal names, the budget that plan
+    needs (its measured peak plus ``reserve_gb``): the refusal then names a floor that plans.
+    Else None."""
     budget_bytes = check_budget_gb(budget_gb)
     if refusal.min_feasible_bytes > budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
         return None
@@ -146,16 +153,26 @@ def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOpt
                                    graph.step_ms, graph.forward_flops, f"hand-placed (measured): {hand.name}", 0.0,
                                    capture="graph-breaks", subgraphs=int(graph.metadata.get("subgraphs", 1)),
                                    measured_unoptimized_peak_bytes=graph.measured_peak_bytes))
+    smallest: Plan | None = None
     try:
-        smallest = graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
-        candidates.append(dataclasses.replace(smallest, budget_bytes=budget_bytes))
+        smallest = dataclasses.replace(graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options),
+                                       budget_bytes=budget_bytes)
+        candidates.append(smallest)
     except InfeasibleBudgetError:
         log.debug("no plan at the solver's own smallest budget")
-    for plan in candidates[:MAX_MEASURED_CANDIDATES]:
+    # the smallest-peak plan is measured even when the hand plans fill the candidates
+    measuring = candidates[:MAX_MEASURED_CANDIDATES - 1] + candidates[-1:] \
+        if len(candidates) > MAX_MEASURED_CANDIDATES else candidates
+    smallest_needs: int | None = None
+    for plan in measuring:
         regions, peak_bytes = measured(plan)
+        if plan is smallest:
+            smallest_needs = peak_bytes + options.reserve_bytes
         if peak_bytes <= room_bytes:
             log.info("graph-break plan: %s, predicted %.4f GiB, measured %.4f GiB of %.4f GiB budget", plan.solver,
                      plan.predicted_peak_bytes / GIB, peak_bytes / GIB, budget_gb)
             return dataclasses.replace(plan, measured_peak_bytes=peak_bytes), regions
         log.debug("%s: measured %d bytes, above the room of %d", plan.solver, peak_bytes, room_bytes)
+    if smallest_needs is not None and smallest_needs > refusal.min_feasible_bytes:
+        return smallest_needs
     return None

@@ -179,3 +179,33 @@ def test_the_module_path_checkpoints_a_loop_body_over_several_lists_as_one_run()
     assert set(opt.checkpointed) <= {f"run:ln.{i}..fc2.{i}" for i in range(4)}
     assert measure_step_peak_bytes(opt, inputs) <= 0.5 * peak_bytes
     assert _same(reference, _step(opt, list(model.parameters()), x))
+
+
+
+@pytest.mark.slow
+def test_a_refusal_names_the_floor_the_smallest_peak_plan_measured_where_the_prediction_ran_low():
+    from planner import InfeasibleBudgetError
+    from planner.core.options import PlanOptions
+    from planner.graph_break_plan import _fitting_on_measurement, graph_break_plan
+
+    model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
+    graph = profile_op_stream(model, (x,), timing_repeats=1)
+    options = PlanOptions(reserve_gb=2**20 / 2**30)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        graph_break_plan(graph, 2 * 2**20 / 2**30, options)   # far below anything: the solver names its floor
+    floor_bytes = caught.value.min_feasible_bytes
+    budget_bytes = int(floor_bytes * 0.99)
+    refusal = InfeasibleBudgetError(budget_bytes, floor_bytes, None, graph.measured_peak_bytes)
+    measured_bytes = floor_bytes + 3 * 2**20   # every plan's step measures 3 MiB above the floor
+
+    def measured(plan):
+        return (), measured_bytes
+
+    needed = _fitting_on_measurement(graph, budget_bytes / 2**30, options, refusal, measured, budget_bytes)
+    assert needed == measured_bytes + 2**20   # the smallest-peak plan's measured peak and the reserve
+
+    def fits(plan):
+        return (), budget_bytes
+
+    plan, _ = _fitting_on_measurement(graph, budget_bytes / 2**30, options, refusal, fits, budget_bytes)
+    assert plan.measured_peak_bytes == budget_bytes
