@@ -176,8 +176,18 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         (traced as such) and whether parameter gradients already exist."""
         if grads_held is None:
             grads_held = any(p.grad is not None for p in self.parameters())
-        in_eval = tuple(name for name, m in self.original.named_modules() if not m.training)
+        in_eval = tuple(name for name, m in self._named_submodules() if not m.training)
         return (input_signature(inputs), autocast_state(), in_eval, grads_held)
+
+    def _named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
+        """``self.original.named_modules()`` as first walked (a submodule added later is not in
+        the captured graph either): the walk costs about a millisecond a step on a model of a
+        few hundred submodules."""
+        cached = self.__dict__.get("_submodules")
+        if cached is None:
+            cached = list(self.original.named_modules())
+            object.__setattr__(self, "_submodules", cached)
+        return cached
 
     def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
         self._variants[key] = variant
@@ -235,8 +245,20 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
 
         return compiled_runner(variant.graph_module, backend)
 
-    @torch.compiler.disable
     def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
+        """The planned variant for ``inputs``, planned now where none is. Under
+        ``torch.compile(opt)`` the lookup runs outside the traced graph; eagerly it is a plain
+        call (``torch.compiler.disable`` costs about a millisecond a call even when nothing
+        compiles: a tenth of a small model's step)."""
+        if torch.compiler.is_compiling():
+            return self._variant_outside_the_graph(inputs, explicit)
+        return self._looked_up_variant(inputs, explicit)
+
+    @torch.compiler.disable
+    def _variant_outside_the_graph(self, inputs: StepInputs, explicit: bool) -> PlannedVariant:
+        return self._looked_up_variant(inputs, explicit)
+
+    def _looked_up_variant(self, inputs: StepInputs, explicit: bool) -> PlannedVariant:
         key = self._key(inputs)
         variant = self._planned_variant(key, inputs, explicit)
         units = fsdp_unit_paths(self) if _distributed_world_size() > 1 else ()
@@ -375,7 +397,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         # the rewritten graphs do not pickle (torch.export's graph modules hold local functions):
         # the model, plans and profiles do; the first training call captures the graph again
         state = dict(self.__dict__)
-        state.update(graph_module=None, _variants={}, _unit_variants={}, _profile_later=None)
+        state.update(graph_module=None, _variants={}, _unit_variants={}, _profile_later=None, _submodules=None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "CheckpointedModule":
