@@ -13,7 +13,10 @@ from typing import Any, NoReturn
 from planner.cli_messages import EXIT_USAGE, printable
 from planner.core.options import PlanOptions
 
-__all__ = ["MAX_SWEEP_POINTS", "build_parser"]
+__all__ = ["MAX_SWEEP_POINTS", "TRACE_METHOD_CHOICES", "build_parser"]
+
+#: ``--trace-method`` values: :data:`planner.capture_options.CAPTURE_METHODS` (a test keeps them equal)
+TRACE_METHOD_CHOICES = ("export", "symbolic_trace", "graph-breaks", "modules")
 
 #: the most budgets ``--sweep`` plans: each is a solve, and a front of more points shows nothing new
 MAX_SWEEP_POINTS = 100
@@ -116,6 +119,14 @@ def _add_chunk_loss(parser: argparse.ArgumentParser) -> None:
                              "the output)")
 
 
+def _add_trace_method(parser: argparse.ArgumentParser) -> None:
+    # the values of planner.capture_options.CAPTURE_METHODS, which imports torch
+    parser.add_argument("--trace-method", choices=TRACE_METHOD_CHOICES, default="export",
+                        help="capture the forward as a graph (export, default; falls back to graph-breaks, then "
+                             "modules, where capture fails), plan over the ops of the eager step (graph-breaks: "
+                             "for models with graph breaks) or over submodule calls directly (modules: coarser)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``ckpt-planner``: ``report``, ``check`` and ``plan``, named in ``args.command``."""
     parser = _Parser(prog="ckpt-planner", description="Automatic activation-checkpoint planner.")
@@ -146,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "from shapes, nothing allocated) and time ops with DEVICE's roofline "
                              "(cpu, l4, a100, a100-80gb, h100, h200)")
     _add_input_options(report)
+    _add_trace_method(report)
 
     check = sub.add_parser("check", parents=[common],
                            help="fail when peak training memory grew against a baseline file")
@@ -161,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--format", choices=("text", "json"), default="text")
     check.add_argument("--junit", metavar="FILE.xml", help="also write the result as JUnit XML")
     _add_input_options(check)
+    _add_trace_method(check)
 
     plan = sub.add_parser("plan", parents=[common],
                           help="plan checkpoints for a model given by a Python entry point")
@@ -169,11 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_stages(plan)
     _add_solve_options(plan)
     _add_chunk_loss(plan)
-    plan.add_argument("--trace-method", choices=("export", "symbolic_trace", "graph-breaks", "modules"),
-                      default="export",
-                      help="capture the forward as a graph (export, default; falls back to graph-breaks, then "
-                           "modules, where capture fails), plan over the ops of the eager step (graph-breaks: "
-                           "for models with graph breaks) or over submodule calls directly (modules: coarser)")
+    _add_trace_method(plan)
     plan.add_argument("--compile", action="store_true",
                       help="plan for a training step run under torch.compile (Inductor): the plan honoured inside "
                            "one compiled graph and checked on the compiled step's measured peak (one compile per "
