@@ -45,6 +45,7 @@ __all__ = [
     "baseline_key",
     "stem_key",
     "check_same_model",
+    "check_same_capture",
     "parse_tolerance",
     "render_check",
     "junit_xml",
@@ -78,7 +79,8 @@ def baseline_from(
         "version": 1,
         "model": model_name,
         # how the figures were made: "graph" (a captured graph, on fake tensors: the same bytes on
-        # every machine); the module path measures real steps, so check never uses it
+        # every machine), or "graph-breaks" or "modules" (one real step measured, for a model
+        # that cannot be captured); figures of two paths are not compared
         "capture": graph.metadata.get("capture", "graph"),
         "unoptimized_peak_bytes": simulate(graph).peak_bytes,
         "persistent_bytes": graph.persistent_bytes,
@@ -114,6 +116,8 @@ def validate_baseline(data: Any, source: str) -> dict[str, Any]:
             raise bad(f"field {key!r} should be {kind.__name__}, got {type(data[key]).__name__}")
     if not all(isinstance(k, str) and isinstance(v, int) for k, v in data["activation_bytes_by_node"].items()):
         raise bad("field 'activation_bytes_by_node' should map node names to byte counts")
+    if not isinstance(data.get("capture", "graph"), str):
+        raise bad(f"field 'capture' should be str, got {type(data['capture']).__name__}")
     for i, plan in enumerate(data["plans"]):
         if not isinstance(plan, dict) or not isinstance(plan.get("budget_bytes"), int) \
                 or not isinstance(plan.get("feasible"), bool):
@@ -176,6 +180,9 @@ class CheckResult:
     new_nodes: list[tuple[str, int]] = field(default_factory=list)
     #: the path the current figures came from (:attr:`planner.core.plan.Plan.capture`)
     capture: str = "graph"
+    #: the first line of the capture failure that chose the graph-break or module path; ""
+    #: where the figures are the captured graph's or the path was asked for
+    capture_failure: str = ""
 
     @property
     def regressed(self) -> bool:
@@ -186,6 +193,7 @@ class CheckResult:
             "model": self.model,
             "tolerance": self.tolerance,
             "capture": self.capture,
+            "capture_failure": self.capture_failure or None,
             "regressed": self.regressed,
             "rows": self.rows,
             "grown_nodes": [{"node": n, "baseline_bytes": a, "current_bytes": b} for n, a, b in self.grown_nodes],
@@ -249,6 +257,25 @@ def check_same_model(baseline: dict[str, Any], key: str, stem: str | None = None
                         f"or --update to replace it")
 
 
+def check_same_capture(baseline: dict[str, Any], capture: str, source: str | Path) -> None:
+    """Refuse with :class:`BaselineError` to compare figures of two capture paths (their nodes
+    and bytes differ): a baseline without ``"capture"`` was made on the captured graph.
+
+    Example:
+        >>> check_same_capture({"capture": "modules"}, "graph", "memory.json")
+        Traceback (most recent call last):
+        ...
+        planner.check.BaselineError: baseline memory.json was made on the modules path and this run on the graph path: their nodes and bytes are not comparable; pass --trace-method modules to check on the baseline's path, or --update to replace the baseline
+    """
+    made_on = baseline.get("capture", "graph")
+    if made_on == capture:
+        return
+    method = "export" if made_on == "graph" else made_on
+    raise BaselineError(f"baseline {source} was made on the {made_on} path and this run on the {capture} path: "
+                        f"their nodes and bytes are not comparable; pass --trace-method {method} to check on the "
+                        f"baseline's path, or --update to replace the baseline")
+
+
 def compare(baseline: dict[str, Any], current: dict[str, Any], tolerance: float) -> CheckResult:
     """Compare two baseline dicts. The models must match by name."""
     check_same_model(baseline, current["model"])
@@ -305,7 +332,13 @@ def render_check(result: CheckResult, fmt: str = "text", top: int = 10) -> str:
     """The comparison as a text table (``text``) or JSON (``json``)."""
     if fmt == "json":
         return json.dumps(result.to_dict(), indent=2) + "\n"
-    lines = [f"memory check of {result.model} (tolerance {result.tolerance:.1%}, capture: {result.capture})", ""]
+    lines = [f"memory check of {result.model} (tolerance {result.tolerance:.1%}, capture: {result.capture})"]
+    if result.capture != "graph":
+        why = ("since the model could not be captured (the warning below says why)" if result.capture_failure
+               else f"as --trace-method {result.capture} asks")
+        lines.append(f"figures from the {result.capture} path, {why}: bytes of one real training step, not of fake "
+                     f"tensors")
+    lines.append("")
     table = [["figure", "baseline", "current", "change", "status"]]
     for row in result.rows:
         change = "-" if row["change"] is None else f"{row['change']:+.1%}"

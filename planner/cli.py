@@ -1,7 +1,7 @@
 """The ``ckpt-planner`` command.
 
     ckpt-planner report PATH --budget-gb 6 [--sweep] [--format text|json|csv|markdown] [--plot out.png]
-                        [--target h100] [--bound-s 60 | --no-bound]
+                        [--target h100] [--bound-s 60 | --no-bound] [--trace-method graph-breaks]
     ckpt-planner check TARGET --baseline memory.json [--tolerance 5%] [--budget-gb 6] [--update]
     ckpt-planner plan examples/models.py:gpt2 --budget-gb 0.25
 
@@ -12,7 +12,9 @@ reports the unoptimized peak, the plan at the budget, the largest activations an
 needs at the budget (:mod:`planner.bounds.reach`: the covering bound, or with ``--bound-s`` also the
 segment covering bound and the segment account, each solved for up to that long; ``--no-bound``
 leaves it out). ``plan`` does the same planning for a Python
-entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``.
+entry point ``FILE_OR_MODULE:FUNCTION`` that returns ``(model, example_inputs)``. A model
+``torch.export`` cannot capture is planned on the graph-break path, else the module path
+(:mod:`planner.cli_capture`; ``--trace-method`` picks one), and the output names the path.
 
 Exit codes: 0 plan found, 1 a ``check`` regression, 2 usage or input error, 3 budget infeasible
 (the message names the smallest feasible budget). Errors are one line on stderr, starting
@@ -33,6 +35,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -41,11 +44,12 @@ from typing import Any
 
 from planner.bounds.reach import COVERING_TIME_LIMIT_S, recompute_bound
 from planner.capture_options import CaptureOptions
-from planner.check import baseline_from, baseline_key, check_same_model, compare, junit_xml, parse_tolerance
+from planner.check import baseline_from, baseline_key, check_same_capture, check_same_model, compare, junit_xml
+from planner.check import parse_tolerance
 from planner.check import read_baseline, render_check, stem_key, write_baseline
 from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
-from planner.cli_messages import command_logging, for_the_command_line
+from planner.cli_messages import check_trace_method, command_logging, for_the_command_line
 from planner.cli_options import check_option_flags, option_values, options_from_args
 from planner.core.costgraph import protect_reads_before_writes
 from planner.core.errors import InfeasibleBudgetError, PlannerError
@@ -59,6 +63,8 @@ from planner.sweep import sweep
 # usage errors and --help answer at once, and `report` on a saved profile needs no torch.
 
 __all__ = ["main", "load_entry_point"]
+
+log = logging.getLogger(__name__)
 
 
 def load_entry_point(spec: str) -> tuple[Any, Any]:
@@ -161,18 +167,23 @@ def _load_target(args: argparse.Namespace, allow_entry_point: bool) -> tuple[str
 
 
 def _captured(module: Any, inputs: Any, args: argparse.Namespace) -> Any:
-    import torch.fx
-
     from profiling.trace import prepare_saved_program, trace_module
 
-    if isinstance(module, torch.fx.GraphModule):  # a saved program: its graph, made plannable as a captured one
+    if _is_saved_program(module):  # a saved program: its graph, made plannable as a captured one
         return prepare_saved_program(module, Path(args.target).name)
-    return trace_module(module, inputs,
-                        simplify_attention_masks=options_from_args(args, CaptureOptions).simplify_attention_masks)
+    return trace_module(module, inputs, method=args.trace_method,
+                        simplify_attention_masks=args.simplify_attention_masks)
+
+
+def _is_saved_program(module: Any) -> bool:
+    """Whether the loaded target is a saved ``torch.export`` program's graph (a ``.pt2``)."""
+    import torch.fx
+
+    return isinstance(module, torch.fx.GraphModule)
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    from planner.pipeline import plan_for_budget
+    from planner.cli_capture import check_method_applies, plan_on, profile_on_a_path
     from profiling.profile import profile_graph
 
     tolerance = parse_tolerance(args.tolerance)
@@ -197,27 +208,35 @@ def _check_command(args: argparse.Namespace) -> int:
                 raise
             baseline = None  # --update replaces another model's baseline
     _, module, inputs = _load_target(args, allow_entry_point=True)
-    graph = profile_graph(_captured(module, inputs, args), inputs, fake=True, step=_step(args))
+    check_method_applies(args.trace_method, module)
+    # a captured graph on fake tensors (the same bytes on any machine); the paths without a
+    # capture measure one real step (time plays no part in pass or fail: one timing step)
+    profiled = profile_on_a_path(module, inputs, args.trace_method, capture=lambda: _captured(module, inputs, args),
+                                 profile=lambda gm: profile_graph(gm, inputs, fake=True, step=_step(args)),
+                                 step=_step(args), timing_repeats=1)
+    if baseline is not None and not args.update:
+        check_same_capture(baseline, profiled.capture, args.baseline)
+    graph = profiled.graph
     budgets = [int(gb * GIB) for gb in args.budget_gb or []]
     if not budgets and baseline is not None:
         budgets = [p["budget_bytes"] for p in baseline["plans"]]
     plans = []
     for budget in budgets:
         try:
-            plan = plan_for_budget(graph, budget / GIB, _plan_options(args))
+            plan = plan_on(graph, budget / GIB, _plan_options(args))
             plans.append((budget, plan, None))
         except InfeasibleBudgetError as exc:
             plans.append((budget, None, exc.min_feasible_bytes))
     current = baseline_from(graph, [(b, dataclasses.replace(p, budget_bytes=b) if p else None, m)
                                     for b, p, m in plans], name)
     if args.update:
-        if baseline is not None:
-            sys.stdout.write(render_check(compare(baseline, current, tolerance), args.format))
+        if baseline is not None and baseline.get("capture", "graph") == profiled.capture:
+            sys.stdout.write(render_check(_compared(baseline, current, tolerance, profiled), args.format))
         write_baseline(args.baseline, current)
         print(f"baseline written to {args.baseline}", file=sys.stderr)
         return EXIT_OK
     assert baseline is not None
-    result = compare(baseline, current, tolerance)
+    result = _compared(baseline, current, tolerance, profiled)
     sys.stdout.write(render_check(result, args.format))
     if args.junit:
         try:
@@ -225,6 +244,11 @@ def _check_command(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise PlannerError(f"--junit {args.junit} could not be written: {exc.strerror or exc}") from None
     return EXIT_REGRESSION if result.regressed else EXIT_OK
+
+
+def _compared(baseline: dict[str, Any], current: dict[str, Any], tolerance: float, profiled: Any) -> Any:
+    """:func:`planner.check.compare`, saying why the figures are not the captured graph's."""
+    return dataclasses.replace(compare(baseline, current, tolerance), capture_failure=profiled.capture_failure)
 
 
 def _check_parent_exists(path: str, flag: str) -> None:
@@ -238,8 +262,7 @@ def _check_parent_exists(path: str, flag: str) -> None:
 
 
 def _report_command(args: argparse.Namespace) -> int:
-    import torch.fx
-
+    from planner.cli_capture import check_method_applies, labelled, plan_on, profile_on_a_path
     from planner.loss_chunking import loss_chunk_floors, plan_choosing_loss_chunks
     from planner.pipeline import plan_for_budget
     from profiling.profile import profile_graph
@@ -252,6 +275,8 @@ def _report_command(args: argparse.Namespace) -> int:
         if args.target_device.lower() not in DEVICE_SPECS:  # before loading: the profiler would say so later
             raise PlannerError(f"unknown target device {args.target_device!r}; use one of {sorted(DEVICE_SPECS)}")
     name, module, inputs = _load_target(args, allow_entry_point=False)
+    fake_only = f"--target {args.target_device}" if args.target_device else None
+    check_method_applies(args.trace_method, module)
     profiles: dict[str, Any] = {}
 
     def profile(captured: Any) -> Any:  # each capture profiled once (the loss chunks ask again)
@@ -266,7 +291,7 @@ def _report_command(args: argparse.Namespace) -> int:
 
     def trace() -> Any:  # a saved program is prepared in place: captures after the first work on a copy
         source = module
-        if captures[0] and isinstance(module, torch.fx.GraphModule):
+        if captures[0] and _is_saved_program(module):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
                 source = copy.deepcopy(module)
@@ -276,20 +301,28 @@ def _report_command(args: argparse.Namespace) -> int:
     def plan_at(graph: Any, budget_gb: float | None) -> Any:
         return plan_for_budget(graph, args.budget_gb if budget_gb is None else budget_gb, _plan_options(args))
 
-    plain = trace()
-    plain_graph = profile(plain)
-    chunk_loss_on = options_from_args(args, CaptureOptions).chunk_loss
-    _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=chunk_loss_on, trace=trace,
-                                               profile=profile, plan=plan_at)
-    floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
-    plans = (sweep(graph, options=_plan_options(args), points=args.sweep)
+    profiled = profile_on_a_path(module, inputs, args.trace_method, capture=trace, profile=profile,
+                                 step=_step(args), fake_only=fake_only)
+    plain_graph = profiled.graph
+    floors = None
+    if profiled.capture == "graph":
+        _, plan, graph = plan_choosing_loss_chunks(profiled.captured, plain_graph, chunk_loss_on=args.chunk_loss,
+                                                   trace=trace, profile=profile, plan=plan_at)
+        floors = loss_chunk_floors(profiled.captured, plain_graph, trace=trace, profile=profile, plan=plan_at)
+    else:
+        if args.chunk_loss:
+            log.warning("--chunk-loss rewrites the loss of a captured graph: the %s path leaves the loss as the "
+                        "model computes it", profiled.capture)
+        graph = plain_graph
+        plan = plan_on(graph, args.budget_gb, _plan_options(args))
+    plans = ([labelled(p, graph) for p in sweep(graph, options=_plan_options(args), points=args.sweep)]
              if args.sweep else [])
     bound = None
     if not args.no_bound:
         bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
                                 time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)
     report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound, loss_chunk_floors=floors,
-                          unoptimized_graph=plain_graph)
+                          unoptimized_graph=plain_graph, capture_failure=profiled.capture_failure)
     sys.stdout.write(render(report, args.format))
     if args.plot:
         plot_report(report, args.plot)
@@ -314,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_budgets(args)
             check_option_flags(args)  # a value an option's dataclass refuses fails before anything loads
+            check_trace_method(args)
             code = int(_COMMANDS[args.command](args))
         except InfeasibleBudgetError as exc:
             print(f"ckpt-planner: {for_the_command_line(str(exc))}", file=sys.stderr)

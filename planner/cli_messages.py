@@ -48,6 +48,15 @@ def check_budgets(args: argparse.Namespace) -> None:
         check_budget(budget_gb)
 
 
+def check_trace_method(args: argparse.Namespace) -> None:
+    """Refuse, before anything is loaded, a ``--trace-method`` that runs real training steps
+    (``graph-breaks``, ``modules``) together with ``--target``, which plans on fake tensors."""
+    target = getattr(args, "target_device", None)
+    if target and getattr(args, "trace_method", "export") in ("graph-breaks", "modules"):
+        raise InputError(f"--trace-method {args.trace_method} runs real training steps and --target {target} "
+                         f"plans on fake tensors: drop one of the two")
+
+
 def check_budget(budget_gb: float) -> None:
     """Raise :class:`InputError` for a ``--budget-gb`` no plan can be made for, before anything
     is loaded: the checks of :func:`planner.core.options.check_budget_gb`, worded for the command line;

@@ -77,7 +77,6 @@ NOT_ON_THE_CLI: dict[str, str] = {
 
 #: Flags only some commands take: the commands, and why not the others.
 ONLY_ON: dict[str, tuple[tuple[str, ...], str]] = {
-    "trace_method": (("plan",), "report and check profile a captured graph"),
     "compile": (("plan",), "report and check profile the eager step"),
     "chunk_loss": (("report", "plan"), "check compares the step as captured with its baseline"),
 }

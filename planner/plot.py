@@ -67,7 +67,8 @@ def plot_report(report: Report, path: str | Path) -> Path:
     ax.set_xlabel("progress through one training step (forward, recompute and backward ops)")
     ax.set_ylabel("live memory (MiB, predicted)")
     on = f" on {report.device}" if report.device else ""
-    ax.set_title(f"{report.model_name}{on}: memory over the step")
+    by = f" ({report.plan.capture} path)" if report.plan.capture != "graph" else ""
+    ax.set_title(f"{report.model_name}{on}{by}: memory over the step")
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
     if report.pareto:

@@ -67,6 +67,9 @@ class Report:
     #: the smallest feasible budgets in bytes without and with the output head and loss in row
     #: chunks (``--chunk-loss``, :mod:`planner.loss_chunking`); None: the graph has no such chain
     loss_chunk_floors: tuple[int, int] | None = None
+    #: the first line of the capture failure that sent the model down the graph-break or
+    #: module path (``plan.capture``); "" where the path was the captured graph or asked for
+    capture_failure: str = ""
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,6 +78,9 @@ class Report:
             "model": self.model_name,
             "nodes": self.node_count,
             "device": self.device,
+            "capture": plan.capture,
+            **({"subgraphs": plan.subgraphs} if plan.capture == "graph-breaks" else {}),
+            "capture_failure": self.capture_failure or None,
             "unoptimized": {
                 "predicted_peak_bytes": plan.unoptimized_peak_bytes,
                 "measured_peak_bytes": plan.measured_unoptimized_peak_bytes,
@@ -137,11 +143,14 @@ def build_report(
     bound: RecomputeBound | None = None,
     loss_chunk_floors: tuple[int, int] | None = None,
     unoptimized_graph: CostGraph | None = None,
+    capture_failure: str = "",
 ) -> Report:
     """Gather the report for ``plan`` (made from ``graph``), an optional sweep and an optional
     lower bound (:func:`planner.bounds.reach.recompute_bound` at the plan's budget).
     ``unoptimized_graph``: the profile of the user's own step where ``graph`` computes it
-    otherwise (the loss in row chunks); its peak and timeline are the unoptimized ones."""
+    otherwise (the loss in row chunks); its peak and timeline are the unoptimized ones.
+    ``capture_failure``: why the plan is not the captured graph's, where a failed capture
+    chose its path (:attr:`Report.capture_failure`)."""
     reference = unoptimized_graph or graph
     unoptimized = simulate(reference)
     planned = simulate(graph, [s.node_names for s in plan.segments])
@@ -174,6 +183,7 @@ def build_report(
         loss_chunk_floors=loss_chunk_floors,
         device=_profiled_on(graph),
         graph_step=str(graph.metadata.get("step") or ""),
+        capture_failure=capture_failure,
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
 
@@ -210,7 +220,7 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
                                    f"{format_ms(plan.step_ms)})"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
         ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
-        ["capture", describe_capture(plan.capture)],
+        ["capture", _capture_text(report)],
     ]
     if report.bound is not None:
         summary.append(["least possible extra time", _bound_text(report.bound, plan)])
@@ -237,6 +247,17 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
             for p in report.pareto
         ]))
     return tables
+
+
+def _capture_text(report: Report) -> str:
+    """The path that made the plan, its subgraphs, and whether a failed capture chose it."""
+    plan = report.plan
+    text = describe_capture(plan.capture)
+    if plan.capture == "graph-breaks":
+        text += f", {plan.subgraphs} subgraph{'' if plan.subgraphs == 1 else 's'}"
+    if report.capture_failure:
+        text += "; the model could not be captured (the warning below says why)"
+    return text
 
 
 def _floors_text(floors: tuple[int, int], plan: Plan) -> str:

@@ -1,17 +1,23 @@
 """What a capture must hold steady around ``torch.export``: the key/value cache off for the
-training step, and a record of the custom ``torch.autograd.Function`` classes the forward
-applies (a capture cannot keep their own backward).
+training step, a record of the custom ``torch.autograd.Function`` classes the forward
+applies (a capture cannot keep their own backward), and stderr free of the partial graph a
+failed export prints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["training_step_without_kv_cache", "custom_functions_recorded"]
+__all__ = ["training_step_without_kv_cache", "custom_functions_recorded", "partial_graph_kept_off_stderr"]
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -83,3 +89,39 @@ def custom_functions_recorded() -> Iterator[list[type]]:
         yield applied
     finally:
         torch.autograd.Function.apply = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def partial_graph_kept_off_stderr() -> Iterator[None]:
+    """Within the context, stderr is held; on exit it is written out as it came, less the
+    partial graph ``torch.export`` prints there (once per nested export call) when it fails (``exc.partial_fx_graph``: dozens
+    of lines of generated code ahead of the capture error's one line), which is logged at DEBUG
+    instead. Warnings and other text written meanwhile reach stderr when the context ends.
+
+    Example:
+        >>> class Failed(Exception):
+        ...     partial_fx_graph = "def forward(self, x): ..."
+        >>> try:
+        ...     with partial_graph_kept_off_stderr():
+        ...         print(Failed.partial_fx_graph, file=sys.stderr)
+        ...         raise Failed()
+        ... except Failed:
+        ...     pass
+    """
+    real = sys.stderr
+    held = io.StringIO()
+    sys.stderr = held
+    try:
+        yield
+    except BaseException as exc:
+        partial = getattr(exc, "partial_fx_graph", None)
+        printed = f"{partial}\n"
+        if partial is not None and printed in held.getvalue():
+            text = held.getvalue().replace(printed, "")
+            held = io.StringIO(text)
+            log.debug("partial graph of the failed export:\n%s", partial)
+        raise
+    finally:
+        sys.stderr = real
+        if held.getvalue():
+            real.write(held.getvalue())

@@ -43,7 +43,8 @@ import torch.fx
 from planner.core.errors import InputError, TraceError
 from planner.core.options import TRACE_METHODS
 from profiling.attention_masks import simplify_constant_attention_masks
-from profiling.capture_guards import custom_functions_recorded, training_step_without_kv_cache
+from profiling.capture_guards import (custom_functions_recorded, partial_graph_kept_off_stderr,
+                                      training_step_without_kv_cache)
 from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
 
@@ -337,7 +338,8 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     name = type(model).__name__
     try:
         if method == "export":
-            with training_step_without_kv_cache(model) as turned_off, custom_functions_recorded() as functions:
+            with training_step_without_kv_cache(model) as turned_off, custom_functions_recorded() as functions, \
+                    partial_graph_kept_off_stderr():
                 program = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
             if functions:
                 names = ", ".join(dict.fromkeys(f.__qualname__ for f in functions))

@@ -28,8 +28,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "steps": ("planner.capture_options", "planner.module_plan", "planner.graph_break_plan", "planner.uncaptured",
               "planner.compiled_plan", "planner.measured_fit", "planner.loss_chunking", "planner.rank_zero"),
     "front doors": ("planner", "planner.pipeline", "planner.cli", "planner.cli_arguments", "planner.cli_messages",
-                    "planner.cli_options", "planner.report", "planner.plot", "planner.check", "planner.testing",
-                    "planner.integrations"),
+                    "planner.cli_options", "planner.cli_capture", "planner.report", "planner.plot", "planner.check",
+                    "planner.testing", "planner.integrations"),
 }
 
 _TORCH_FREE = {"core", "milp", "solvers", "bounds", "planning"}
