@@ -237,12 +237,50 @@ def _check_parent_exists(path: str, flag: str) -> None:
         raise PlannerError(f"{flag} {path} is a folder; pass a file name")
 
 
-def _report_command(args: argparse.Namespace) -> int:
-    import torch.fx
+@dataclasses.dataclass
+class _ReportSteps:
+    """The ``report`` command's capture, profile and solve, for the loss-chunk choice
+    (:class:`planner.loss_chunking.ChunkChoiceSteps`): a saved program is prepared in place, so
+    captures after the first work on a copy; each capture is profiled once (the loss chunks ask
+    again), on fake tensors with a target device; solves run at ``--budget-gb``."""
 
-    from planner.loss_chunking import loss_chunk_floors, plan_choosing_loss_chunks
-    from planner.pipeline import plan_for_budget
-    from profiling.profile import profile_graph
+    args: argparse.Namespace
+    module: Any
+    inputs: Any
+    plan_options: PlanOptions
+    capture_options: CaptureOptions
+    profiles: dict[str, Any] = dataclasses.field(default_factory=dict)
+    captures: int = 0
+
+    def capture(self) -> Any:
+        import torch.fx
+
+        source = self.module
+        if self.captures and isinstance(self.module, torch.fx.GraphModule):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
+                source = copy.deepcopy(self.module)
+        self.captures += 1
+        return _captured(source, self.inputs, self.args)
+
+    def profile(self, gm: Any) -> Any:
+        from profiling.profile import profile_graph
+
+        if gm.code not in self.profiles:
+            # fake tensors with a target: nothing allocated, times from the target's roofline
+            target = self.args.target_device
+            self.profiles[gm.code] = (profile_graph(gm, self.inputs, fake=True, target=target, step=_step(self.args))
+                                      if target else profile_graph(gm, self.inputs, step=_step(self.args)))
+        return self.profiles[gm.code]
+
+    def plan(self, graph: Any, budget_gb: float | None = None) -> Any:
+        from planner.pipeline import plan_for_budget
+
+        return plan_for_budget(graph, self.args.budget_gb if budget_gb is None else budget_gb, self.plan_options)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from planner.loss_chunking import choose_loss_chunks, loss_chunk_floors
 
     if args.plot and not str(args.plot).lower().endswith(".png"):
         raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
@@ -252,36 +290,11 @@ def _report_command(args: argparse.Namespace) -> int:
         if args.target_device.lower() not in DEVICE_SPECS:  # before loading: the profiler would say so later
             raise PlannerError(f"unknown target device {args.target_device!r}; use one of {sorted(DEVICE_SPECS)}")
     name, module, inputs = _load_target(args, allow_entry_point=False)
-    profiles: dict[str, Any] = {}
-
-    def profile(captured: Any) -> Any:  # each capture profiled once (the loss chunks ask again)
-        if captured.code not in profiles:
-            # fake tensors with a target: nothing allocated, times from the target's roofline
-            profiles[captured.code] = (profile_graph(captured, inputs, fake=True, target=args.target_device,
-                                                     step=_step(args))
-                                       if args.target_device else profile_graph(captured, inputs, step=_step(args)))
-        return profiles[captured.code]
-
-    captures = [0]
-
-    def trace() -> Any:  # a saved program is prepared in place: captures after the first work on a copy
-        source = module
-        if captures[0] and isinstance(module, torch.fx.GraphModule):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
-                source = copy.deepcopy(module)
-        captures[0] += 1
-        return _captured(source, inputs, args)
-
-    def plan_at(graph: Any, budget_gb: float | None) -> Any:
-        return plan_for_budget(graph, args.budget_gb if budget_gb is None else budget_gb, _plan_options(args))
-
-    plain = trace()
-    plain_graph = profile(plain)
-    chunk_loss_on = options_from_args(args, CaptureOptions).chunk_loss
-    _, plan, graph = plan_choosing_loss_chunks(plain, plain_graph, chunk_loss_on=chunk_loss_on, trace=trace,
-                                               profile=profile, plan=plan_at)
-    floors = loss_chunk_floors(plain, plain_graph, trace=trace, profile=profile, plan=plan_at)
+    steps = _ReportSteps(args, module, inputs, _plan_options(args), options_from_args(args, CaptureOptions))
+    plain = steps.capture()
+    plain_graph = steps.profile(plain)
+    _, plan, graph = choose_loss_chunks(steps, plain, plain_graph)
+    floors = loss_chunk_floors(steps, plain, plain_graph)
     plans = (sweep(graph, options=_plan_options(args), points=args.sweep)
              if args.sweep else [])
     bound = None
