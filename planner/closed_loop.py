@@ -2,9 +2,10 @@
 
 The simulator's prediction agrees with the allocator within a few percent, but a promise
 ("the budget holds") should not rest on a prediction where the step can be measured. Where
-``optimize`` plans on the training device, :func:`measured_plan` rewrites the graph with the
-chosen plan and measures one training step at the allocator (``torch.profiler`` on CPU,
-``max_memory_allocated`` on CUDA), the step the plan was made for. Then:
+``optimize`` plans on the training device, :func:`measured_plan` has the graph rewritten with the
+chosen plan and one training step measured at the allocator (``torch.profiler`` on CPU,
+``max_memory_allocated`` on CUDA), the step the plan was made for, by a :class:`DeviceStep`
+(:func:`planner.measured_fit.check_on_device` gives it one; this module imports no torch). Then:
 
 - measured above the budget's room: the gap is held as extra bytes all step and the graph is
   solved again, up to :data:`MAX_MEASURED_RESOLVES` times;

@@ -1,6 +1,8 @@
-"""``optimize``: trace, profile, plan and rewrite in one call: the front door that joins the
-stages. It needs torch, so ``planner`` loads it on first use of ``optimize``; the rest of the
-planner imports without torch.
+"""``optimize``: capture, profile, plan and rewrite in one call: the front door that joins the
+stages. :class:`Replanner` runs them as named steps on one
+:class:`planner.planning_steps.PlanningSteps` (docs/design.md#the-pipeline lists them), and the
+module ``optimize`` returns runs it again for inputs it was not planned for. It needs torch, so
+``planner`` loads it on first use of ``optimize``; the rest of the planner imports without torch.
 
 Example:
     >>> import torch
@@ -280,15 +282,15 @@ class Replanner:
     def _plan(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
               grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
         """:meth:`__call__` on this process alone: capture, profile, plan, rewrite. A first plan
-        (no profile given, no gradients held) may be measured instead of profiled; one process
-        checks its plan on a measured step."""
+        (no profile given, no gradients held) may be measured instead of profiled; an unsharded
+        plan (``world_size=1``) is checked on a measured step."""
         steps = self.steps(model, example_inputs, grads_held)
         gm = steps.capture()
         first = graph is None and not grads_held
-        one_process = self.planning.world_size == 1
+        unsharded = self.planning.world_size == 1
         if first and self.capture.compile_backend is not None:
             return plan_compiled(steps, gm)  # compiled, and held to the compiled step's measured peak
-        if first and one_process:
+        if first and unsharded:
             roomy = plan_if_the_step_fits(steps, gm)  # the unoptimized step measured: nothing profiled
             if roomy is not None:
                 return apply_plan(gm, roomy), roomy, None
@@ -304,7 +306,7 @@ class Replanner:
                 module, plan = fitted
                 log_plan(plan, measured=True)
                 return module, plan, graph
-        if not grads_held and one_process and graph.metadata.get("mode") == "measured":
+        if not grads_held and unsharded and graph.metadata.get("mode") == "measured":
             module, plan = check_on_device(steps, gm, plan, graph)
             log_plan(plan, measured=True)
             return module, plan, graph
