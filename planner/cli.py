@@ -47,9 +47,10 @@ from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
 from planner.cli_messages import command_logging, for_the_command_line
 from planner.cli_options import check_option_flags, option_values, options_from_args
-from planner.core.costgraph import protect_reads_before_writes
+from planner.core.costgraph import CostGraph, protect_reads_before_writes
 from planner.core.errors import InfeasibleBudgetError, PlannerError
 from planner.core.options import PlanOptions
+from planner.core.plan import Plan
 from planner.core.units import GIB
 from planner.plot import plot_report
 from planner.report import build_report, render
@@ -263,7 +264,7 @@ class _ReportSteps:
         self.captures += 1
         return _captured(source, self.inputs, self.args)
 
-    def profile(self, gm: Any) -> Any:
+    def profile(self, gm: Any) -> CostGraph:
         from profiling.profile import profile_graph
 
         if gm.code not in self.profiles:
@@ -273,7 +274,7 @@ class _ReportSteps:
                                       if target else profile_graph(gm, self.inputs, step=_step(self.args)))
         return self.profiles[gm.code]
 
-    def plan(self, graph: Any, budget_gb: float | None = None) -> Any:
+    def plan(self, graph: CostGraph, budget_gb: float | None = None) -> Plan:
         from planner.pipeline import plan_for_budget
 
         return plan_for_budget(graph, self.args.budget_gb if budget_gb is None else budget_gb, self.plan_options)

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 #: (or once with the room a plan left unused).
 MAX_COMPILED_SOLVES = 3
 
+
 def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_loss: bool = False,
                        world_size: int = 1, trace_method: str = "export") -> str | None:
     """The ``torch.compile`` backend ``optimize(compile=...)`` names (None: eager), or
