@@ -18,7 +18,7 @@ its ``measure`` rewrites a copy of the graph and measures its step.
 
 Example:
     >>> import torch
-    >>> from planner.core.errors import InfeasibleBudgetError
+    >>> from planner.capture_options import CaptureOptions
     >>> from planner.planning_steps import PlanningSteps
     >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
     ...                               for _ in range(6)]).train()
@@ -39,7 +39,6 @@ import logging
 from typing import Any
 
 from planner.budget_plan import hand_plans_to_measure
-from planner.capture_options import CaptureOptions
 from planner.closed_loop import measured_plan
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError
