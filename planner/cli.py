@@ -51,9 +51,10 @@ from planner.cli_arguments import build_parser as _parser
 from planner.cli_messages import EXIT_INFEASIBLE, EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, check_budgets
 from planner.cli_messages import check_trace_method, command_logging, for_the_command_line
 from planner.cli_options import check_option_flags, option_values, options_from_args
-from planner.core.costgraph import protect_reads_before_writes
+from planner.core.costgraph import CostGraph, protect_reads_before_writes
 from planner.core.errors import InfeasibleBudgetError, PlannerError
 from planner.core.options import PlanOptions
+from planner.core.plan import Plan
 from planner.core.units import GIB
 from planner.plot import plot_report
 from planner.report import build_report, render
@@ -261,11 +262,49 @@ def _check_parent_exists(path: str, flag: str) -> None:
         raise PlannerError(f"{flag} {path} is a folder; pass a file name")
 
 
+@dataclasses.dataclass
+class _ReportSteps:
+    """The ``report`` command's capture, profile and solve, for the loss-chunk choice
+    (:class:`planner.loss_chunking.ChunkChoiceSteps`): a saved program is prepared in place, so
+    captures after the first work on a copy; each capture is profiled once (the loss chunks ask
+    again), on fake tensors with a target device; solves run at ``--budget-gb``."""
+
+    args: argparse.Namespace
+    module: Any
+    inputs: Any
+    plan_options: PlanOptions
+    capture_options: CaptureOptions
+    profiles: dict[str, Any] = dataclasses.field(default_factory=dict)
+    captures: int = 0
+
+    def capture(self) -> Any:
+        source = self.module
+        if self.captures and _is_saved_program(self.module):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
+                source = copy.deepcopy(self.module)
+        self.captures += 1
+        return _captured(source, self.inputs, self.args)
+
+    def profile(self, gm: Any) -> CostGraph:
+        from profiling.profile import profile_graph
+
+        if gm.code not in self.profiles:
+            # fake tensors with a target: nothing allocated, times from the target's roofline
+            target = self.args.target_device
+            self.profiles[gm.code] = (profile_graph(gm, self.inputs, fake=True, target=target, step=_step(self.args))
+                                      if target else profile_graph(gm, self.inputs, step=_step(self.args)))
+        return self.profiles[gm.code]
+
+    def plan(self, graph: CostGraph, budget_gb: float | None = None) -> Plan:
+        from planner.pipeline import plan_for_budget
+
+        return plan_for_budget(graph, self.args.budget_gb if budget_gb is None else budget_gb, self.plan_options)
+
+
 def _report_command(args: argparse.Namespace) -> int:
     from planner.cli_capture import check_method_applies, labelled, plan_on, profile_on_a_path
-    from planner.loss_chunking import loss_chunk_floors, plan_choosing_loss_chunks
-    from planner.pipeline import plan_for_budget
-    from profiling.profile import profile_graph
+    from planner.loss_chunking import choose_loss_chunks, loss_chunk_floors
 
     if args.plot and not str(args.plot).lower().endswith(".png"):
         raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
@@ -277,38 +316,14 @@ def _report_command(args: argparse.Namespace) -> int:
     name, module, inputs = _load_target(args, allow_entry_point=False)
     fake_only = f"--target {args.target_device}" if args.target_device else None
     check_method_applies(args.trace_method, module)
-    profiles: dict[str, Any] = {}
-
-    def profile(captured: Any) -> Any:  # each capture profiled once (the loss chunks ask again)
-        if captured.code not in profiles:
-            # fake tensors with a target: nothing allocated, times from the target's roofline
-            profiles[captured.code] = (profile_graph(captured, inputs, fake=True, target=args.target_device,
-                                                     step=_step(args))
-                                       if args.target_device else profile_graph(captured, inputs, step=_step(args)))
-        return profiles[captured.code]
-
-    captures = [0]
-
-    def trace() -> Any:  # a saved program is prepared in place: captures after the first work on a copy
-        source = module
-        if captures[0] and _is_saved_program(module):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 warns copying the program's pytree specs
-                source = copy.deepcopy(module)
-        captures[0] += 1
-        return _captured(source, inputs, args)
-
-    def plan_at(graph: Any, budget_gb: float | None) -> Any:
-        return plan_for_budget(graph, args.budget_gb if budget_gb is None else budget_gb, _plan_options(args))
-
-    profiled = profile_on_a_path(module, inputs, args.trace_method, capture=trace, profile=profile,
+    steps = _ReportSteps(args, module, inputs, _plan_options(args), options_from_args(args, CaptureOptions))
+    profiled = profile_on_a_path(module, inputs, args.trace_method, capture=steps.capture, profile=steps.profile,
                                  step=_step(args), fake_only=fake_only)
     plain_graph = profiled.graph
     floors = None
     if profiled.capture == "graph":
-        _, plan, graph = plan_choosing_loss_chunks(profiled.captured, plain_graph, chunk_loss_on=args.chunk_loss,
-                                                   trace=trace, profile=profile, plan=plan_at)
-        floors = loss_chunk_floors(profiled.captured, plain_graph, trace=trace, profile=profile, plan=plan_at)
+        _, plan, graph = choose_loss_chunks(steps, profiled.captured, plain_graph)
+        floors = loss_chunk_floors(steps, profiled.captured, plain_graph)
     else:
         if args.chunk_loss:
             log.warning("--chunk-loss rewrites the loss of a captured graph: the %s path leaves the loss as the "

@@ -2,9 +2,10 @@
 
 The simulator's prediction agrees with the allocator within a few percent, but a promise
 ("the budget holds") should not rest on a prediction where the step can be measured. Where
-``optimize`` plans on the training device, :func:`measured_plan` rewrites the graph with the
-chosen plan and measures one training step at the allocator (``torch.profiler`` on CPU,
-``max_memory_allocated`` on CUDA), the step the plan was made for. Then:
+``optimize`` plans on the training device, :func:`measured_plan` has the graph rewritten with the
+chosen plan and one training step measured at the allocator (``torch.profiler`` on CPU,
+``max_memory_allocated`` on CUDA), the step the plan was made for, by a :class:`DeviceStep`
+(:func:`planner.measured_fit.check_on_device` gives it one; this module imports no torch). Then:
 
 - measured above the budget's room: the gap is held as extra bytes all step and the graph is
   solved again, up to :data:`MAX_MEASURED_RESOLVES` times;
@@ -34,14 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from planner.core.errors import InfeasibleBudgetError
 from planner.core.plan import GIB, Plan
 from planner.core.units import MIB
 
-__all__ = ["MAX_MEASURED_RESOLVES", "measured_plan"]
+__all__ = ["MAX_MEASURED_RESOLVES", "DeviceStep", "measured_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +50,23 @@ log = logging.getLogger(__name__)
 #: one usually suffices; the second covers an overshoot that moved with the plan.
 MAX_MEASURED_RESOLVES = 2
 
-#: ``(extra_held_bytes, extra_room_bytes) -> Plan``: the same graph solved again holding
-#: ``extra_held_bytes`` more all step with ``extra_room_bytes`` more room; raises
-#: :class:`InfeasibleBudgetError` where nothing fits.
-Resolve = Callable[[int, int], Plan]
-#: ``plan -> (module, measured peak bytes)``: the graph rewritten for ``plan`` and its step measured.
-Measure = Callable[[Plan], tuple[Any, int]]
+class DeviceStep(Protocol):
+    """The device side of the loop: the graph a plan was solved on, measured and solved again."""
+
+    def measure(self, plan: Plan) -> tuple[Any, int]:
+        """The graph rewritten for ``plan`` and the peak bytes of its step, measured."""
+        ...
+
+    def resolve(self, held_bytes: int, extra_room_bytes: int) -> Plan:
+        """The same graph solved again holding ``held_bytes`` more all step, with
+        ``extra_room_bytes`` more room; raises :class:`InfeasibleBudgetError` where nothing fits."""
+        ...
 
 
-def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measure, resolve: Resolve,
+def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, device: DeviceStep,
                   unoptimized_measured_bytes: int | None, alternatives: Sequence[Plan] = ()) -> tuple[Any, Plan]:
-    """The module and plan to return: ``plan`` measured, corrected by solving again where the
-    measurement says so (see module docs), with ``measured_peak_bytes`` set. The module is None
+    """The module and plan to return: ``plan`` measured on ``device``, corrected by solving again
+    where the measurement says so (see module docs), with ``measured_peak_bytes`` set. The module is None
     for a plan that recomputes nothing, whose measured peak is the profile's own
     (``unoptimized_measured_bytes``): the caller rewrites as usual. Raises
     :class:`InfeasibleBudgetError` where every plan tried measured above ``room_bytes``."""
@@ -68,7 +74,7 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measu
     def check(candidate: Plan) -> tuple[Any, int]:
         if not candidate.segments and unoptimized_measured_bytes is not None:
             return None, unoptimized_measured_bytes
-        return measure(candidate)
+        return device.measure(candidate)
 
     module, measured = check(plan)
     plan = dataclasses.replace(plan, measured_peak_bytes=measured)
@@ -80,7 +86,7 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measu
         log.warning("plan measured %.4f GiB, above the room of %.4f GiB (predicted %.4f GiB): solving again with "
                     "%.1f MiB held (%d of %d)", measured / GIB, room_bytes / GIB, plan.predicted_peak_bytes / GIB,
                     held / MIB, attempt + 1, MAX_MEASURED_RESOLVES)
-        plan = resolve(held, 0)
+        plan = device.resolve(held, 0)
         module, measured = check(plan)
         plan = dataclasses.replace(plan, measured_peak_bytes=measured)
     if measured > room_bytes:
@@ -98,7 +104,7 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, measure: Measu
     wasted = plan.predicted_peak_bytes - measured
     if wasted > margin_bytes and plan.segments and held == 0:
         try:
-            roomier = resolve(0, wasted)
+            roomier = device.resolve(0, wasted)
         except InfeasibleBudgetError:
             return module, plan
         if roomier.segments != plan.segments and roomier.recompute_ms < plan.recompute_ms:

@@ -32,14 +32,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
-from planner.core.options import COMPILE_BACKEND, PlanOptions, check_budget_gb
+from planner.core.options import COMPILE_BACKEND, check_budget_gb
 from planner.core.plan import GIB, Plan
-from profiling.measure import StepInputs, TrainingStep
+from planner.planning_steps import PlanningSteps
 from rewrite.attach import attach_to_user_modules
 from rewrite.compiled import COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_peak_bytes
 from rewrite.segments import apply_plan, module_copy
@@ -51,9 +50,6 @@ log = logging.getLogger(__name__)
 #: Plans compiled and measured at most: the first, and solves again after a measured overshoot
 #: (or once with the room a plan left unused).
 MAX_COMPILED_SOLVES = 3
-
-#: ``(graph, budget_gb) -> Plan``: ``graph`` solved for ``budget_gb`` with the planning options.
-SolveAt = Callable[[CostGraph, float], Plan]
 
 
 def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_loss: bool = False,
@@ -94,23 +90,24 @@ def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
     return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s)
 
 
-def plan_compiled(gm: Any, example_inputs: Any, budget_gb: float, planning: PlanOptions, step: TrainingStep,
-                  backend: str, profile: Callable[[Any], CostGraph], solve_at: SolveAt,
-                  original: Any = None) -> tuple[Any, Plan, CostGraph | None]:
+def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph | None]:
     """The rewritten graph (compiled, kept in its ``meta``), its plan and the profile it was
     solved on (None where the compiled unoptimized step fits: nothing profiled), for a step run
-    under ``torch.compile(backend=backend)`` (see module docs). ``gm`` is the captured graph,
-    left unchanged; ``profile(gm)`` profiles it eagerly. ``original``, the user's module: each
-    graph compiled reads its parameters through it, as the module ``optimize`` returns does
-    (so that one's first step does not compile again)."""
+    under ``torch.compile`` with ``steps.capture_options.compile_backend`` (see module docs).
+    ``gm`` is the captured graph, left unchanged; ``steps.profile(gm)`` profiles it eagerly.
+    Each graph compiled reads its parameters through the user's module (``steps.model``), as
+    the module ``optimize`` returns does (so that one's first step does not compile again).
+    The module's example runs it."""
+    budget_gb, planning, step = steps.budget_gb, steps.plan_options, steps.capture_options.step
+    backend = steps.capture_options.compile_backend
+    assert backend is not None, "plan_compiled plans a compiled step: CaptureOptions(compile=...) names its backend"
 
     def rewritten(plan: Plan) -> Any:
         module = apply_plan(module_copy(gm), plan)
-        if original is not None:
-            attach_to_user_modules(module, original)
+        attach_to_user_modules(module, steps.model)
         return module
 
-    inputs = StepInputs.from_example(example_inputs)
+    inputs = steps.step_inputs
     budget_bytes = check_budget_gb(budget_gb)
     room_bytes = budget_bytes - planning.reserve_bytes
     margin_bytes = int(room_bytes * planning.safety_margin)
@@ -131,7 +128,7 @@ def plan_compiled(gm: Any, example_inputs: Any, budget_gb: float, planning: Plan
                                    measured_peak_bytes=compiled_unoptimized, solve_s=time.perf_counter() - started)
         return unoptimized, _compiled_fields(plan, run), None
 
-    graph = profile(gm)
+    graph = steps.profile(gm)
     eager_unoptimized = graph.measured_peak_bytes
     compile_saves = max(0, (eager_unoptimized or compiled_unoptimized) - compiled_unoptimized)
     log.info("the compiled unoptimized step peaks at %.4f GiB, %.1f MiB below the eager step's: planned with that "
@@ -141,7 +138,7 @@ def plan_compiled(gm: Any, example_inputs: Any, budget_gb: float, planning: Plan
         # negative extra room: bytes held all step
         held, room = max(0, -extra_bytes), max(0, extra_bytes)
         try:
-            solved = solve_at(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
+            solved = steps.plan(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
         except InfeasibleBudgetError as exc:  # its figures count the extra room: the user's budget's terms
             raise InfeasibleBudgetError(budget_bytes, max(budget_bytes + 1, exc.min_feasible_bytes - extra_bytes),
                                         exc.note, compiled_unoptimized) from None

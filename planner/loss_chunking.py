@@ -10,14 +10,19 @@ chunked one is taken only where it is the only feasible one or its recompute (th
 plus the chunks' own) costs less. With ``chunk_loss`` off, an infeasible budget that chunking
 would reach says so in the :class:`InfeasibleBudgetError` message, with the lower floor.
 
-It needs torch (through :mod:`profiling` and :mod:`rewrite`), so only :mod:`planner.pipeline`
-imports it, on first use.
+The choice captures, profiles and solves through a :class:`ChunkChoiceSteps`: ``optimize``'s
+:class:`planner.planning_steps.PlanningSteps`, or the ``report`` command's own (a saved program,
+profiled on fake tensors for a target device). It needs torch (through :mod:`profiling` and
+:mod:`rewrite`), so the front doors that load without torch import it on first use.
 
 Example:
     >>> import torch
-    >>> from planner.pipeline import Replanner, CaptureOptions
-    >>> replan = Replanner(budget_gb=1.0, capture=CaptureOptions(chunk_loss=True))
-    >>> gm, plan, graph = replan(torch.nn.Linear(4, 4), (torch.randn(2, 4),))  # no loss chain
+    >>> from planner.capture_options import CaptureOptions
+    >>> from planner.planning_steps import PlanningSteps
+    >>> steps = PlanningSteps(torch.nn.Linear(4, 4).train(), (torch.randn(2, 4),), budget_gb=1.0,
+    ...                       capture_options=CaptureOptions(chunk_loss=True))
+    >>> gm = steps.capture()
+    >>> gm, plan, graph = choose_loss_chunks(steps, gm, steps.profile(gm))   # no loss chain: as it is
     >>> plan.computation_changes
     ()
 """
@@ -26,21 +31,51 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Protocol
 
+from planner.capture_options import CaptureOptions
 from planner.core.costgraph import CostGraph
 from planner.core.errors import InfeasibleBudgetError
+from planner.core.options import PlanOptions
 from planner.core.plan import GIB, Plan, format_ms
 from planner.core.simulate import simulate
 from profiling.loss_chain import find_loss_chain
 from rewrite.chunked_loss import chunk_loss
 
-__all__ = ["plan_choosing_loss_chunks", "loss_chunk_floors", "is_chunked", "chunked_recompute_ms"]
+__all__ = ["ChunkChoiceSteps", "choose_loss_chunks", "loss_chunk_floors", "is_chunked", "chunked_recompute_ms"]
 
 log = logging.getLogger(__name__)
 
 #: The name the rewrite gives the chunked node (the FX namespace may add a suffix).
 _CHUNKED_NODE = "chunked_cross_entropy"
+
+
+class ChunkChoiceSteps(Protocol):
+    """What the choice does with the model: capture it again (the chunked graph is a second
+    capture), profile a capture, solve a profile; with the options they run under."""
+
+    @property
+    def plan_options(self) -> PlanOptions:
+        """The options every solve runs with (``reserve_gb``: the room no plan may use)."""
+        ...
+
+    @property
+    def capture_options(self) -> CaptureOptions:
+        """The capture options (``chunk_loss``: whether the chunked graph may be chosen)."""
+        ...
+
+    def capture(self) -> Any:
+        """A new capture of the model."""
+        ...
+
+    def profile(self, gm: Any) -> CostGraph:
+        """The profile of the capture ``gm``."""
+        ...
+
+    def plan(self, graph: CostGraph, budget_gb: float | None = None) -> Plan:
+        """``graph`` solved for ``budget_gb`` in GiB, ``reserve_gb`` included (None: the
+        budget asked for); :class:`InfeasibleBudgetError` where nothing fits."""
+        ...
 
 
 def is_chunked(graph: CostGraph) -> bool:
@@ -73,42 +108,38 @@ def _labelled(graph: CostGraph) -> CostGraph:
     return dataclasses.replace(graph, metadata={**graph.metadata, "computation_changes": changes})
 
 
-def _floor_bytes(plan: Callable[[CostGraph, float | None], Plan], graph: CostGraph) -> int:
+def _floor_bytes(steps: ChunkChoiceSteps, graph: CostGraph) -> int:
     """The smallest feasible budget of ``graph`` in bytes (a solve at a budget nothing fits)."""
     try:
-        found = plan(graph, 2**-20)  # 1 KiB above the reserve
+        found = steps.plan(graph, steps.plan_options.reserve_gb + 2**-20)  # 1 KiB above the reserve
     except InfeasibleBudgetError as exc:
         return exc.min_feasible_bytes
     return found.budget_bytes
 
 
-def plan_choosing_loss_chunks(gm: Any, graph: CostGraph, *, chunk_loss_on: bool,
-                              trace: Callable[[], Any], profile: Callable[[Any], CostGraph],
-                              plan: Callable[[CostGraph, float | None], Plan]) -> tuple[Any, Plan, CostGraph]:
+def choose_loss_chunks(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tuple[Any, Plan, CostGraph]:
     """Plan ``gm`` (profiled as ``graph``), with its output head and loss in row chunks where
-    ``chunk_loss_on`` and that pays; returns the graph module, the plan and the profile chosen.
-
-    ``trace()`` captures the model again (the chunked graph is a second capture), ``profile(gm)``
-    profiles a capture, ``plan(graph, budget_gb)`` solves at the budget (``None``) or another.
-    A ``graph`` that already profiles the chunked chain (a re-plan) keeps it.
+    ``steps.capture_options.chunk_loss`` and that pays; returns the graph module, the plan and
+    the profile chosen. A ``graph`` that already profiles the chunked chain (a re-plan) keeps it.
+    The module's example runs it.
 
     Raises:
-        InfeasibleBudgetError: no plan fits; with ``chunk_loss_on`` off, the message names the
+        InfeasibleBudgetError: no plan fits; with ``chunk_loss`` off, the message names the
             lower floor ``chunk_loss=True`` reaches, where it does.
     """
     if is_chunked(graph):
         chunk_loss(gm)
         graph = _labelled(graph)
-        return gm, plan(graph, None), graph
+        return gm, steps.plan(graph), graph
     if find_loss_chain(gm) is None:
-        return gm, plan(graph, None), graph
-    if not chunk_loss_on:
+        return gm, steps.plan(graph), graph
+    if not steps.capture_options.chunk_loss:
         try:
-            return gm, plan(graph, None), graph
+            return gm, steps.plan(graph), graph
         except InfeasibleBudgetError as exc:
-            chunked = trace()
+            chunked = steps.capture()
             chunk_loss(chunked)
-            floor = _floor_bytes(plan, profile(chunked))
+            floor = _floor_bytes(steps, steps.profile(chunked))
             if floor >= exc.min_feasible_bytes:
                 raise
             raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes, note=(
@@ -118,17 +149,17 @@ def plan_choosing_loss_chunks(gm: Any, graph: CostGraph, *, chunk_loss_on: bool,
     plain: Plan | None = None
     plain_floor = 0
     try:
-        plain = plan(graph, None)
+        plain = steps.plan(graph)
     except InfeasibleBudgetError as exc:
         plain_floor = exc.min_feasible_bytes
     if plain is not None and plain.recompute_ms <= 0:
         return gm, plain, graph  # nothing recomputed: the chunks' own recompute cannot cost less
-    chunked = trace()
+    chunked = steps.capture()
     chunk_loss(chunked)
-    chunked_graph = _labelled(profile(chunked))
+    chunked_graph = _labelled(steps.profile(chunked))
     extra_ms = chunked_recompute_ms(chunked_graph)
     try:
-        chunked_plan = plan(chunked_graph, None)
+        chunked_plan = steps.plan(chunked_graph)
     except InfeasibleBudgetError as exc:
         if plain is not None:
             return gm, plain, graph
@@ -146,14 +177,21 @@ def plan_choosing_loss_chunks(gm: Any, graph: CostGraph, *, chunk_loss_on: bool,
     return chunked, chunked_plan, chunked_graph
 
 
-def loss_chunk_floors(gm: Any, graph: CostGraph, *, trace: Callable[[], Any], profile: Callable[[Any], CostGraph],
-                      plan: Callable[[CostGraph, float | None], Plan]) -> tuple[int, int] | None:
+def loss_chunk_floors(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tuple[int, int] | None:
     """The smallest feasible budgets in bytes without and with the output head and loss in row
     chunks, for the report; None when ``gm`` (profiled as ``graph``) has no such chain or is
-    chunked already. Arguments as :func:`plan_choosing_loss_chunks`.
+    chunked already. Arguments as :func:`choose_loss_chunks`.
+
+    Example:
+        >>> import torch
+        >>> from planner.planning_steps import PlanningSteps
+        >>> steps = PlanningSteps(torch.nn.Linear(4, 4).train(), (torch.randn(2, 4),), budget_gb=1.0)
+        >>> gm = steps.capture()
+        >>> loss_chunk_floors(steps, gm, steps.profile(gm)) is None   # no output head and loss chain
+        True
     """
     if is_chunked(graph) or find_loss_chain(gm) is None:
         return None
-    chunked = trace()
+    chunked = steps.capture()
     chunk_loss(chunked)
-    return _floor_bytes(plan, graph), _floor_bytes(plan, profile(chunked))
+    return _floor_bytes(steps, graph), _floor_bytes(steps, steps.profile(chunked))

@@ -1,6 +1,8 @@
-"""``optimize``: trace, profile, plan and rewrite in one call: the front door that joins the
-stages. It needs torch, so ``planner`` loads it on first use of ``optimize``; the rest of the
-planner imports without torch.
+"""``optimize``: capture, profile, plan and rewrite in one call: the front door that joins the
+stages. :class:`Replanner` runs them as named steps on one
+:class:`planner.planning_steps.PlanningSteps` (docs/design.md#the-pipeline lists them), and the
+module ``optimize`` returns runs it again for inputs it was not planned for. It needs torch, so
+``planner`` loads it on first use of ``optimize``; the rest of the planner imports without torch.
 
 Example:
     >>> import torch
@@ -17,38 +19,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
-from planner.budget_plan import hand_plans_to_measure, plan_for_budget
+from planner.budget_plan import plan_for_budget
 from planner.capture_options import CaptureOptions
-from planner.closed_loop import measured_plan
 from planner.compiled_plan import compile_backend_of, plan_compiled
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError, TraceError
-from planner.core.options import (MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_budget_gb,
-                                  check_offload_device)
+from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_offload_device
 from planner.core.plan import GIB, Plan
 from planner.graph_break_plan import plan_graph_breaks
-from planner.measured_fit import MEASURED_FIT_TOLERANCE, plan_fitting_on_measurement
+from planner.loss_chunking import choose_loss_chunks, is_chunked
+from planner.measured_fit import check_on_device, fit_on_measurement
 from planner.module_plan import plan_modules
+from planner.planning_steps import PlanningSteps, log_plan, plan_if_the_step_fits, planning_room_bytes
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
 from planner.uncaptured import plan_without_capture
-from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
 from profiling.progress import heartbeat
-from profiling.trace import trace_module
 from profiling.validate import check_model_and_inputs
 from rewrite.apply import CheckpointedModule, apply_plan
-from rewrite.segments import module_copy
-from planner.loss_chunking import is_chunked, plan_choosing_loss_chunks
 from rewrite.chunked_loss import chunk_loss
 
 __all__ = ["optimize", "plan_for_budget", "CaptureOptions", "Replanner", "PlanOptions", "MAX_PLAUSIBLE_BUDGET_GB"]
 
 log = logging.getLogger(__name__)
-
 
 
 def optimize(
@@ -272,125 +268,63 @@ class Replanner:
         return planned_on_rank_zero(lambda: self._plan(model, example_inputs, graph, grads_held),
                                     lambda plan, profiled: self._rewrite_with(model, example_inputs, plan, profiled))
 
+    def steps(self, model: Any, example_inputs: Any, grads_held: bool = False) -> PlanningSteps:
+        """What each step of planning ``model`` on ``example_inputs`` needs, with these options."""
+        return PlanningSteps(model, example_inputs, self.budget_gb, self.planning, self.capture, grads_held)
+
     def _rewrite_with(self, model: Any, example_inputs: Any, plan: Plan, graph: CostGraph | None) -> Any:
         """This rank's capture of ``model`` rewritten with ``plan``, made on rank 0 from ``graph``."""
-        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
-                          simplify_attention_masks=self.capture.simplify_attention_masks)
+        gm = self.steps(model, example_inputs).capture()
         if graph is not None and is_chunked(graph):
             chunk_loss(gm)
         return apply_plan(gm, plan)
 
     def _plan(self, model: Any, example_inputs: Any, graph: CostGraph | None = None,
               grads_held: bool = False) -> tuple[Any, Plan, CostGraph | None]:
-        """:meth:`__call__` on this process alone."""
-        def trace() -> Any:
-            return trace_module(model, example_inputs, method=self.capture.trace_method,
-                                simplify_attention_masks=self.capture.simplify_attention_masks)
-
-        def profile(captured: Any) -> CostGraph:
-            return cached_profile_graph(captured, example_inputs, self.capture.cache_dir,
-                                        timing_repeats=self.capture.timing_repeats, progress=self.capture.progress,
-                                        step=self.capture.step)
-
-        def plan_at(profiled: CostGraph, budget_gb: float | None) -> Plan:
-            budget = self.budget_gb if budget_gb is None else budget_gb + self.planning.reserve_gb
-            return plan_for_budget(profiled, budget, self.planning, grads_held=grads_held)
-
-        gm = trace()
-        if self.capture.compile_backend is not None and graph is None and not grads_held:
-            return plan_compiled(gm, example_inputs, self.budget_gb, self.planning, self.capture.step,
-                                 self.capture.compile_backend, profile, lambda g, budget_gb: plan_for_budget(
-                                     g, budget_gb, self.planning), original=model)
-        if graph is None and not grads_held and self.planning.world_size == 1:
-            roomy = self._plan_if_the_step_fits(gm, example_inputs)
+        """:meth:`__call__` on this process alone: capture, profile, plan, rewrite. A first plan
+        (no profile given, no gradients held) may be measured instead of profiled; an unsharded
+        plan (``world_size=1``) is checked on a measured step."""
+        steps = self.steps(model, example_inputs, grads_held)
+        gm = steps.capture()
+        first = graph is None and not grads_held
+        unsharded = self.planning.world_size == 1
+        if first and self.capture.compile_backend is not None:
+            return plan_compiled(steps, gm)  # compiled, and held to the compiled step's measured peak
+        if first and unsharded:
+            roomy = plan_if_the_step_fits(steps, gm)  # the unoptimized step measured: nothing profiled
             if roomy is not None:
                 return apply_plan(gm, roomy), roomy, None
         if graph is None:
-            graph = profile(gm)
+            graph = steps.profile(gm)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
             try:
-                gm, plan, graph = plan_choosing_loss_chunks(gm, graph, chunk_loss_on=self.capture.chunk_loss,
-                                                            trace=trace, profile=profile, plan=plan_at)
+                gm, plan, graph = choose_loss_chunks(steps, gm, graph)
             except InfeasibleBudgetError as refusal:
-                # a budget just under the predicted floor: the plans that would meet it are measured
-                fitted = plan_fitting_on_measurement(
-                    gm, example_inputs, refusal, self.planning,
-                    lambda budget_gb, options: plan_for_budget(graph, budget_gb, options, grads_held=grads_held),
-                    grads_held=grads_held, step=self.capture.step)
+                fitted = fit_on_measurement(steps, gm, graph, refusal)  # just under the floor: measured
                 if fitted is None:
                     raise
-                log.info("plan: measured peak %.3f GiB of %.3f GiB budget (predicted %.3f GiB), %d segments",
-                         fitted[1].measured_peak_bytes / GIB, fitted[1].budget_bytes / GIB,
-                         fitted[1].predicted_peak_bytes / GIB, len(fitted[1].segments))
-                return fitted[0], fitted[1], graph
-        if not grads_held and self.planning.world_size == 1 and graph.metadata.get("mode") == "measured":
-            module, plan = self._measured(gm, plan, graph, example_inputs)
-            log.info("plan: measured peak %.3f GiB of %.3f GiB budget (predicted %.3f GiB), %d segments",
-                     plan.measured_peak_bytes / GIB, plan.budget_bytes / GIB, plan.predicted_peak_bytes / GIB,
-                     len(plan.segments))
-            return (module if module is not None else apply_plan(gm, plan)), plan, graph
-        log.info("plan: predicted peak %.3f GiB of %.3f GiB budget, %d segments",
-                 plan.predicted_peak_bytes / GIB, plan.budget_bytes / GIB, len(plan.segments))
+                module, plan = fitted
+                log_plan(plan, measured=True)
+                return module, plan, graph
+        if not grads_held and unsharded and graph.metadata.get("mode") == "measured":
+            module, plan = check_on_device(steps, gm, plan, graph)
+            log_plan(plan, measured=True)
+            return module, plan, graph
+        log_plan(plan, measured=False)
         return apply_plan(gm, plan), plan, graph
 
     def profile_for(self, model: Any, example_inputs: Any) -> CostGraph:
         """The profile of ``model``'s step on ``example_inputs``, captured and profiled as
         ``__call__`` does (what a plan made without a profile reads on demand)."""
-        gm = trace_module(model, example_inputs, method=self.capture.trace_method,
-                          simplify_attention_masks=self.capture.simplify_attention_masks)
-        return cached_profile_graph(gm, example_inputs, self.capture.cache_dir, timing_repeats=self.capture.timing_repeats,
-                                    progress=self.capture.progress, step=self.capture.step)
+        steps = self.steps(model, example_inputs)
+        return steps.profile(steps.capture())
 
     def fits_with_grads_held(self, plan: Plan, grad_bytes: int) -> bool:
-        """Whether a plan made without a profile (:meth:`_plan_if_the_step_fits`) still fits
-        its planning room with ``grad_bytes`` of parameter gradients held all step on top of
-        its measured peak (an upper bound: the step's own gradients are counted twice)."""
+        """Whether a plan made without a profile (:func:`planner.planning_steps.plan_if_the_step_fits`)
+        still fits its planning room with ``grad_bytes`` of parameter gradients held all step on
+        top of its measured peak (an upper bound: the step's own gradients are counted twice)."""
         measured = plan.measured_peak_bytes
-        return measured is not None and measured + grad_bytes <= self._room_bytes(plan.budget_bytes)
-
-    def _room_bytes(self, budget_bytes: int) -> int:
-        return int((budget_bytes - self.planning.reserve_bytes) * (1 - self.planning.safety_margin))
-
-    def _plan_if_the_step_fits(self, gm: Any, example_inputs: Any) -> Plan | None:
-        """The empty plan when one measured step of ``gm`` (nothing recomputed) fits the
-        planning room (the budget less ``reserve_gb`` and ``safety_margin``), else None: a roomy
-        budget needs no profile and no solve."""
-        started = time.perf_counter()
-        budget_bytes = check_budget_gb(self.budget_gb)
-        room_bytes = self._room_bytes(budget_bytes)
-        peak_bytes = measure_step_peak_bytes(gm, StepInputs.from_example(example_inputs), self.capture.step)
-        if peak_bytes > room_bytes:
-            log.debug("the unoptimized step peaks at %.4f GiB, above the room of %.4f GiB: planning", peak_bytes / GIB,
-                      room_bytes / GIB)
-            return None
-        log.info("plan: the unoptimized step's measured peak %.4f GiB fits the %.4f GiB budget: nothing to recompute, "
-                 "nothing profiled", peak_bytes / GIB, budget_bytes / GIB)
-        return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=peak_bytes, unoptimized_peak_bytes=peak_bytes,
-                    segments=(), forward_ms=0.0, step_ms=0.0, forward_flops=0,
-                    solver="none (the measured unoptimized step fits)", solve_s=time.perf_counter() - started,
-                    measured_unoptimized_peak_bytes=peak_bytes, measured_peak_bytes=peak_bytes,
-                    computation_changes=tuple(gm.meta.get("computation_changes", ())))
-
-    def _measured(self, gm: Any, plan: Plan, graph: CostGraph, example_inputs: Any) -> tuple[Any, Plan]:
-        """``plan`` checked by measuring its step on the device (:mod:`planner.closed_loop`)."""
-        inputs = StepInputs.from_example(example_inputs)
-        room_bytes = plan.budget_bytes - self.planning.reserve_bytes
-        margin_bytes = int(room_bytes * self.planning.safety_margin)
-
-        def measure(candidate: Plan) -> tuple[Any, int]:
-            module = apply_plan(module_copy(gm), candidate)
-            return module, measure_step_peak_bytes(module, inputs, self.capture.step)
-
-        def resolve(held_bytes: int, extra_room_bytes: int) -> Plan:
-            budget_gb = self.budget_gb + extra_room_bytes / (1 - self.planning.safety_margin) / GIB
-            solved = plan_for_budget(with_held_bytes(graph, held_bytes), budget_gb, self.planning)
-            return dataclasses.replace(solved, budget_bytes=plan.budget_bytes)
-
-        try:
-            return measured_plan(plan, room_bytes, margin_bytes, measure, resolve, graph.measured_peak_bytes,
-                                 hand_plans_to_measure(graph, plan, self.planning, MEASURED_FIT_TOLERANCE))
-        except InfeasibleBudgetError as exc:
-            raise exc.with_unoptimized_peak(graph.measured_peak_bytes) from None
+        return measured is not None and measured + grad_bytes <= planning_room_bytes(plan.budget_bytes, self.planning)
 
     def solve(self, graph: CostGraph, grads_held: bool = False, keep: frozenset[str] = frozenset(),
               extra_bytes: int = 0) -> Plan:

@@ -40,9 +40,11 @@ def test_budget_fraction_is_a_share_of_the_measured_unoptimized_peak():
 ])
 def test_a_bad_budget_choice_is_one_line_before_any_work(budget_gb, budget_fraction, says, monkeypatch):
     import planner.pipeline
+    import planner.planning_steps
 
-    monkeypatch.setattr(planner.pipeline, "measure_step_peak_bytes",
-                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("must not run a step")))
+    for module in (planner.pipeline, planner.planning_steps):  # the budget's fraction, the roomy step
+        monkeypatch.setattr(module, "measure_step_peak_bytes",
+                            lambda *a, **k: (_ for _ in ()).throw(AssertionError("must not run a step")))
     model, inputs = mlp()
     with pytest.raises(InputError) as refused:
         optimize(model, inputs, budget_gb, budget_fraction=budget_fraction)
@@ -50,11 +52,12 @@ def test_a_bad_budget_choice_is_one_line_before_any_work(budget_gb, budget_fract
 
 
 def test_a_budget_the_unoptimized_step_fits_returns_the_empty_plan_without_profiling(monkeypatch):
-    import planner.pipeline
+    import planner.planning_steps
 
     profiled = []
-    profile = planner.pipeline.cached_profile_graph
-    monkeypatch.setattr(planner.pipeline, "cached_profile_graph", lambda *a, **k: profiled.append(1) or profile(*a, **k))
+    profile = planner.planning_steps.cached_profile_graph
+    monkeypatch.setattr(planner.planning_steps, "cached_profile_graph",
+                        lambda *a, **k: profiled.append(1) or profile(*a, **k))
     model, inputs = mlp()
     eager = copy.deepcopy(model)
     opt = optimize(model, inputs, budget_gb=1.0)

@@ -18,21 +18,29 @@ def _plan(name: str, predicted_bytes: int, recompute_ms: float) -> Plan:
                 forward_ms=10.0, step_ms=30.0, forward_flops=10**8, solver=name, solve_s=0.0)
 
 
-def _loop(plan: Plan, measured: dict[str, int], alternatives=(), resolved: Plan | None = None):
-    calls: list[str] = []
+class StandIn:
+    """The device of the loop: each plan measures what ``measured`` says; a solve again returns
+    ``resolved``, or refuses where there is none."""
 
-    def measure(candidate: Plan):
-        calls.append(candidate.solver)
-        return f"module of {candidate.solver}", measured[candidate.solver]
+    def __init__(self, measured: dict[str, int], resolved: Plan | None) -> None:
+        self.measured, self.resolved = measured, resolved
+        self.calls: list[str] = []
 
-    def resolve(held_bytes: int, extra_room_bytes: int) -> Plan:
-        if resolved is None:
+    def measure(self, candidate: Plan):
+        self.calls.append(candidate.solver)
+        return f"module of {candidate.solver}", self.measured[candidate.solver]
+
+    def resolve(self, held_bytes: int, extra_room_bytes: int) -> Plan:
+        if self.resolved is None:
             raise InfeasibleBudgetError(ROOM, ROOM + held_bytes)
-        return resolved
+        return self.resolved
 
-    module, chosen = measured_plan(plan, ROOM, margin_bytes=ROOM // 100, measure=measure, resolve=resolve,
+
+def _loop(plan: Plan, measured: dict[str, int], alternatives=(), resolved: Plan | None = None):
+    device = StandIn(measured, resolved)
+    module, chosen = measured_plan(plan, ROOM, margin_bytes=ROOM // 100, device=device,
                                    unoptimized_measured_bytes=2 * ROOM, alternatives=alternatives)
-    return module, chosen, calls
+    return module, chosen, device.calls
 
 
 def test_a_cheaper_plan_refused_by_the_margin_replaces_the_plan_when_it_measures_within_the_room() -> None:

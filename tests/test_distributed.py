@@ -165,12 +165,12 @@ def _same_plan_worker(rank: int, world_size: int, port: int, out: str, share_pla
 
     import torch.distributed as dist
 
-    import planner.pipeline
+    import planner.planning_steps
     from distributed_train import build
     from planner import optimize
     from profiling.measure import StepInputs, measure_step_peak_bytes
 
-    profile = planner.pipeline.cached_profile_graph
+    profile = planner.planning_steps.cached_profile_graph
 
     def skewed(*args, **kwargs):
         graph = profile(*args, **kwargs)
@@ -180,7 +180,7 @@ def _same_plan_worker(rank: int, world_size: int, port: int, out: str, share_pla
             dataclasses.replace(n, time_ms=n.time_ms * 30) if "linear" in n.op or "addmm" in n.op else n
             for n in graph.nodes))
 
-    planner.pipeline.cached_profile_graph = skewed
+    planner.planning_steps.cached_profile_graph = skewed
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
