@@ -343,7 +343,8 @@ def test_sweep_and_report_show_what_a_plan_offloads_and_its_exposed_copies():
     assert extra == sorted(extra, reverse=True)
     report = build_report(g, plan, sweep_plans=plans, offload=options)
     data = json.loads(render(report, "json"))["plan"]
-    assert (data["offloaded_bytes"], data["exposed_transfer_ms"], data["host_link"]) == (4 * MIB, 0.0, "1 GB/s each way")
+    assert (data["offloaded_bytes"], data["exposed_transfer_ms"]) == (4 * MIB, 0.0)
+    assert data["host_link"] == "1 GB/s each way"
     assert [o["node"] for o in data["offloaded"]] == list(plan.offloaded)
     assert data["extra_time_ms"] == plan.extra_time_ms
     text = render(report, "text")

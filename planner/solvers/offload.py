@@ -258,5 +258,6 @@ def offload_floor(graph: CostGraph, segments: Sequence[Segment], spec: OffloadSp
     movable = offloadable_nodes(graph, segments)
     sizes = graph.storage_by_key
     by_size = sorted(movable, key=lambda n: -sum(sizes[k].size_bytes for k in movable[n]))
-    chosen = {tuple(_within_pinned(graph, order, movable, spec.pinned_host_bytes)) for order in (list(movable), by_size)}
+    chosen = {tuple(_within_pinned(graph, order, movable, spec.pinned_host_bytes))
+              for order in (list(movable), by_size)}
     return min(simulate_offload(graph, segments, names, spec).peak_bytes for names in sorted(chosen))
