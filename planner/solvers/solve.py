@@ -77,11 +77,13 @@ def solve(graph: CostGraph, budget_bytes: int, options: SolveOptions | None = No
         return dataclasses.replace(ctx.plan_of([], ctx.unoptimized_bytes, "none"), solve_s=0.0)
     if not options.offload:
         return _recompute_plan(ctx)
+    chosen: Plan | None = None
+    refused: InfeasibleBudgetError | None = None
     try:
-        chosen: Plan | None = _recompute_plan(ctx)
-    except InfeasibleBudgetError:  # offloading may still meet the budget
-        chosen = None
-    return offload_step.run(ctx, chosen)
+        chosen = _recompute_plan(ctx)
+    except InfeasibleBudgetError as exc:  # offloading may still meet the budget
+        refused = exc
+    return offload_step.run(ctx, chosen, refused)
 
 
 def _recompute_plan(ctx: SolveContext) -> Plan:

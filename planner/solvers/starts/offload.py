@@ -76,8 +76,8 @@ def smallest_offload_peak(graph: CostGraph, smallest: Plan, options: SolveOption
     """The smallest peak of the offload step's plans as far as it is known: ``smallest`` (the
     smallest-peak plan of recompute, :func:`planner.solvers.smallest_peak.minimum_peak_plan`),
     that plan with its held outputs offloaded (:func:`planner.solvers.offload.offload_floor`),
-    and every held output offloaded around every layer, over ``options``' host link. A solve
-    with ``offload`` meets a budget of at least this.
+    and every held output offloaded around every layer, over ``options``' host link: the
+    smallest budget a solve with ``offload`` names when it refuses one.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -97,13 +97,13 @@ def smallest_offload_peak(graph: CostGraph, smallest: Plan, options: SolveOption
                *([every[1].peak_bytes] if every is not None else []))
 
 
-def run(ctx: SolveContext, chosen: Plan | None) -> Plan:
+def run(ctx: SolveContext, chosen: Plan | None, refused: InfeasibleBudgetError | None = None) -> Plan:
     """The candidate of least predicted extra time (module docstring); ``chosen``: the solve's
-    plan of recompute, None where none fits the budget.
+    plan of recompute, None where none fits the budget (``refused``: its refusal, if any).
 
     Raises:
-        InfeasibleBudgetError: no candidate fits; it names the smallest peak among the
-            smallest-peak plan's, that plan with its held outputs offloaded and candidate 3's.
+        InfeasibleBudgetError: no candidate fits; it names the smallest of ``refused``'s budget,
+            :func:`smallest_offload_peak` and candidate 3's peak.
     """
     spec = ctx.options.offload_spec()
     smallest: Plan | None = None
@@ -118,7 +118,8 @@ def run(ctx: SolveContext, chosen: Plan | None) -> Plan:
                                     _every_output_offloaded_plan(ctx, spec)) if plan is not None]
     if not candidates:
         assert smallest is not None  # a chosen plan fits the budget
-        raise InfeasibleBudgetError(ctx.budget_bytes, smallest_offload_peak(ctx.graph, smallest, ctx.options))
+        floor = smallest_offload_peak(ctx.graph, smallest, ctx.options)
+        raise InfeasibleBudgetError(ctx.budget_bytes, min(floor, refused.min_feasible_bytes) if refused else floor)
     best = min(candidates, key=lambda plan: plan.extra_time_ms)
     if best is not chosen:
         log.info("offload step: %s, %.2f ms extra (%.2f recompute + %.2f of copies), %.1f MiB to host memory",
