@@ -5,8 +5,10 @@ two budgets, checkpoint-every-layer's simulated peak and half the unoptimized si
 the table compares the predicted extra step time of:
 
 - *recompute only*: the default ``solve`` (infeasible where no plan of segments fits);
-- *with offload*: the offload start (:func:`planner.solvers.offload.offload_plan`) from that
-  plan, or from the smallest-peak plan where none fits, kept where it predicts less;
+- *with offload*: ``solve(..., offload=True)``: the solve's offload step
+  (:mod:`planner.solvers.starts.offload`) compares that plan, the offload start around it (or
+  around the smallest-peak plan where none fits) and every layer with every held output
+  offloaded, by predicted extra step time;
 - *offload all boundaries*: checkpoint every layer and offload every output the step holds
   from the forward to the backward (the layers' inputs and what the head and loss save: what
   HF/Accelerate's ``save_on_cpu`` around gradient checkpointing does), replayed with its copies.
@@ -37,8 +39,6 @@ from planner.core.offload import HOST_LINKS, OffloadSpec, offloadable_nodes, sim
 from planner.core.plan import Plan  # noqa: E402
 from planner.core.simulate import simulate  # noqa: E402
 from planner.solvers.hand_policies import hand_placed_plans  # noqa: E402
-from planner.solvers.offload import offload_plan  # noqa: E402
-from planner.solvers.smallest_peak import minimum_peak_plan  # noqa: E402
 from planner.solvers.solve import solve  # noqa: E402
 from profiling.cache import load_profile  # noqa: E402
 
@@ -58,20 +58,24 @@ ABOUT = """How to read it (every figure predicted by the simulator, none measure
   compute waits for it; copies run on their own streams beside the compute.
 - *recompute only*: the default solve's predicted extra step time (recompute), in ms and as a
   share of the profile's measured unoptimized step; *infeasible* where no plan of segments fits.
-- *with offload*: the offload start from that plan (from the smallest-peak plan where none
-  fits), kept where it predicts less: extra time (recompute + copies the compute waits for),
-  the bytes offloaded to pinned host memory, and the segments left.
+- *with offload*: `solve(..., offload=True)`: its offload step compares the plan of recompute,
+  the offload start around it (around the smallest-peak plan where none fits) and every layer
+  with every held output offloaded, by predicted extra time (recompute + copies the compute
+  waits for); the bytes offloaded to pinned host memory, and the segments left; *infeasible*
+  where no plan fits, with the smallest budget the solve names.
 - *offload all boundaries*: every layer checkpointed and every held output offloaded (what
   HF/Accelerate's `save_on_cpu` around gradient checkpointing does): its extra time and its
-  simulated peak as a share of the budget (*over* where above 1).
-- *solve (s)*: this machine's seconds for the offload start."""
+  simulated peak as a share of the budget (*over* where above 1). The solve with offload never
+  predicts more than it where it fits.
+- *solve (s)*: this machine's seconds for the solve with offload."""
 
 
-def _recompute_only(graph: CostGraph, budget: int) -> Plan | None:
+def _solved(graph: CostGraph, budget: int, **options: object) -> tuple[Plan | None, int | None]:
+    """The solve's plan, or None and the smallest budget it names."""
     try:
-        return solve(graph, budget, max_solve_s=60)
-    except InfeasibleBudgetError:
-        return None
+        return solve(graph, budget, max_solve_s=60, **options), None
+    except InfeasibleBudgetError as exc:
+        return None, exc.min_feasible_bytes
 
 
 def _ms(value: float, step_ms: float) -> str:
@@ -84,21 +88,14 @@ def rows(models: list[str], links: tuple[str, ...] = LINKS) -> list[list[str]]:
         graph = protect_reads_before_writes(load_profile(H100_PROFILES / f"{name}.json"))
         unoptimized = simulate(graph).peak_bytes
         every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
-        smallest: Plan | None = None
         for label, budget in (("every layer", simulate(graph, every.segments).peak_bytes),
                               ("50 %", unoptimized // 2)):
-            base = _recompute_only(graph, budget)
-            if base is None and smallest is None:
-                smallest = minimum_peak_plan(graph)
-            start = base if base is not None else smallest
-            assert start is not None
+            base, _ = _solved(graph, budget)
             for link in links:
                 spec: OffloadSpec = HOST_LINKS[link]
                 started = time.perf_counter()
-                plan = offload_plan(graph, budget, start, spec)
+                plan, smallest = _solved(graph, budget, offload=True, host_link=link)
                 solve_s = time.perf_counter() - started
-                if plan is None:
-                    plan = base
                 everything = simulate_offload(graph, every.segments, list(offloadable_nodes(graph, every.segments)),
                                               spec)
                 all_extra = every.recompute_ms + everything.exposed_ms
@@ -106,7 +103,8 @@ def rows(models: list[str], links: tuple[str, ...] = LINKS) -> list[list[str]]:
                 table.append([
                     name, f"{label} ({budget / unoptimized:.3f})", link,
                     "infeasible" if base is None else _ms(base.extra_time_ms, graph.step_ms),
-                    "infeasible" if plan is None else _ms(plan.extra_time_ms, graph.step_ms),
+                    (f"infeasible (from {smallest / unoptimized:.3f})" if plan is None
+                     else _ms(plan.extra_time_ms, graph.step_ms)),
                     "" if plan is None else f"{plan.recompute_ms:.2f} + {plan.exposed_transfer_ms:.2f}",
                     "" if plan is None else f"{plan.offloaded_bytes / GIB:.2f}",
                     "" if plan is None else str(len(plan.segments)),

@@ -16,8 +16,8 @@ the peak from ``torch.cuda.max_memory_allocated`` over one warm step:
 
 Gradients of every variant are compared with keeping everything (same seed each step: dropout
 draws the same numbers). A second table plans each model on this device: captured, profiled,
-solved at checkpoint-every-layer's simulated peak with recompute only and with the offload start
-(:func:`planner.solvers.offload.offload_plan`, the host link ``--link``), each plan applied to
+solved at checkpoint-every-layer's simulated peak with recompute only and with offload
+(``solve(..., offload=True)`` over the host link ``--link``), each plan applied to
 the captured graph (:func:`rewrite.offload.apply_offload`) and measured: peak against budget and
 prediction, step time against the captured graph with nothing recomputed and against the
 prediction. ``--device cpu --tiny`` runs the same code on small models (no streams: a smoke
@@ -48,7 +48,6 @@ from planner.core.offload import HOST_LINKS  # noqa: E402
 from planner.core.plan import Plan  # noqa: E402
 from planner.core.simulate import simulate  # noqa: E402
 from planner.solvers.hand_policies import hand_placed_plans  # noqa: E402
-from planner.solvers.offload import offload_plan  # noqa: E402
 from planner.solvers.solve import solve  # noqa: E402
 from profiling import profile_graph, trace_module  # noqa: E402
 from rewrite.apply import CheckpointedModule, apply_plan  # noqa: E402
@@ -163,11 +162,11 @@ def planned_rows(names: list[str], device: torch.device, repeats: int, tiny: boo
         every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
         budget = simulate(graph, every.segments).peak_bytes
         recompute = solve(graph, budget)
-        offloaded = offload_plan(graph, budget, recompute, HOST_LINKS[link])
+        offloaded = solve(graph, budget, offload=True, host_link=link)
         nothing = Plan(budget, simulate(graph).peak_bytes, simulate(graph).peak_bytes, (), graph.forward_ms,
                        graph.step_ms, graph.forward_flops, "nothing recomputed", 0.0)
         plans = {"nothing recomputed": nothing, "recompute only": recompute}
-        if offloaded is not None:
+        if offloaded.offloaded:
             plans["with offload"] = offloaded
         modules = {label: _applied(model, example, plan, device) for label, plan in plans.items()}
         reference = _grads(model, inputs)

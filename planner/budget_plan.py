@@ -13,7 +13,6 @@ from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import Plan
 from planner.core.simulate import simulate
 from planner.solvers.hand_policies import HAND_PLACED, cheaper_hand_plans, hand_placed_within_noise
-from planner.solvers.offload import offload_plan
 from planner.solvers.solve import solve
 from planner.solvers.stage_plans import to_plan
 
@@ -47,6 +46,10 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
     ``options.world_size`` > 1 plans the per-rank step with parameters and their gradients
     sharded over that many ranks (FSDP / ZeRO-3, see :func:`planner.core.costgraph.shard_parameters`);
     ``grads_held`` plans a step that starts with every ``.grad`` allocated (gradient accumulation).
+    With ``options.offload`` the solve may also move held outputs to pinned host memory
+    (:mod:`planner.solvers.starts.offload`); a hand-placed plan within the timing noise
+    (:func:`planner.solvers.hand_policies.hand_placed_within_noise`) replaces only a plan
+    without copies.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -78,9 +81,8 @@ def plan_for_budget(graph: CostGraph, budget_gb: float, options: PlanOptions = P
             unoptimized = graph.measured_peak_bytes or simulate(graph).peak_bytes
         raise InfeasibleBudgetError(budget_bytes, budget_planning_at_least(
             exc.min_feasible_bytes, reserve_bytes, options.safety_margin), exc.note, unoptimized) from None
-    plan = hand_placed_within_noise(graph, plan, planning_bytes)
-    if options.offload:  # held outputs to host memory, where that predicts less
-        plan = offload_plan(graph, planning_bytes, plan, options.offload_spec()) or plan
+    if not plan.offloaded:  # a plan of copies is not traded for recompute within the timing noise
+        plan = hand_placed_within_noise(graph, plan, planning_bytes)
     return dataclasses.replace(plan, budget_bytes=budget_bytes, computation_changes=changes)
 
 

@@ -336,8 +336,10 @@ def _report_command(args: argparse.Namespace) -> int:
     if not args.no_bound:
         bound = recompute_bound(protect_reads_before_writes(graph), plan.budget_bytes,
                                 time_limit_s=args.bound_s or COVERING_TIME_LIMIT_S, with_account=args.bound_s > 0)
+    options = _plan_options(args)
     report = build_report(graph, plan, model_name=name, sweep_plans=plans, bound=bound, loss_chunk_floors=floors,
-                          unoptimized_graph=plain_graph, capture_failure=profiled.capture_failure)
+                          unoptimized_graph=plain_graph, capture_failure=profiled.capture_failure,
+                          offload=options if options.offload else None)
     sys.stdout.write(render(report, args.format))
     if args.plot:
         plot_report(report, args.plot)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from planner.capture_options import CAPTURE_METHODS, CaptureOptions
+from planner.core.offload import HOST_LINKS
 from planner.core.options import PlanOptions
 
 __all__ = ["OPTION_CLASSES", "NOT_ON_THE_CLI", "ONLY_ON", "VALUE_TYPES", "COMMANDS", "add_option_flags", "flag_name",
@@ -43,7 +44,6 @@ Options = TypeVar("Options")
 OPTION_CLASSES: tuple[type, ...] = (PlanOptions, CaptureOptions)
 
 _TUNING = "a tuning knob of the solver's starts, set in the library (docs/tuning.md)"
-_OFFLOAD = "offload's, and optimize refuses offload until a GPU has measured offload plans"
 
 #: The fields the command line leaves out, and why; every other field is a flag.
 NOT_ON_THE_CLI: dict[str, str] = {
@@ -64,10 +64,6 @@ NOT_ON_THE_CLI: dict[str, str] = {
     "reserve_gb": "room for the optimizer's state, which a saved model's step does not have",
     "safety_margin": "the margin the prediction's measured error chose (docs/tuning.md#safety_margin)",
     "world_size": "the commands plan one process",
-    "offload": _OFFLOAD,
-    "host_link": _OFFLOAD,
-    "host_bandwidth_gbps": _OFFLOAD,
-    "pinned_host_gb": _OFFLOAD,
     # how the command profiles: once per call, logging progress with -v
     "timing_repeats": "the profiler's default passes, more while they disagree (docs/tuning.md#timing_repeats)",
     "cache_dir": "each command profiles once",
@@ -75,10 +71,20 @@ NOT_ON_THE_CLI: dict[str, str] = {
     "loss_fn": "a Python callable; the commands take the output's loss",
 }
 
+#: Offload is predicted only until a GPU has measured offload plans (docs/benchmarks/offload.md):
+#: ``report`` predicts it for the device it profiles or targets, ``plan`` passes it to
+#: optimize, which refuses it with one line.
+_OFFLOAD = (("report", "plan"), "check holds the step that runs today to its baseline, and offload is predicted "
+                                "only until a GPU has measured it")
+
 #: Flags only some commands take: the commands, and why not the others.
 ONLY_ON: dict[str, tuple[tuple[str, ...], str]] = {
     "compile": (("plan",), "report and check profile the eager step"),
     "chunk_loss": (("report", "plan"), "check compares the step as captured with its baseline"),
+    "offload": _OFFLOAD,
+    "host_link": _OFFLOAD,
+    "host_bandwidth_gbps": _OFFLOAD,
+    "pinned_host_gb": _OFFLOAD,
 }
 
 #: The commands that take the option flags.
@@ -153,7 +159,7 @@ VALUE_TYPES: dict[str, Callable[[str], Any]] = {
     "max_solve_s": seconds(allow_zero=False),
 }
 #: The values a flag may take, where its field takes a fixed set.
-_CHOICES: dict[str, tuple[str, ...]] = {"trace_method": CAPTURE_METHODS}
+_CHOICES: dict[str, tuple[str, ...]] = {"trace_method": CAPTURE_METHODS, "host_link": tuple(sorted(HOST_LINKS))}
 
 
 def flag_name(field_name: str) -> str:

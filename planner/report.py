@@ -1,10 +1,11 @@
 """What checkpointing buys on one profiled model: the data behind ``ckpt-planner report``.
 
-``build_report`` gathers the unoptimized peak and where it happens, the plan at the budget,
-the largest saved activations by node and by module, and optionally a sweep's Pareto front and
-a proven lower bound on the recompute time of every plan at the budget (:mod:`planner.bounds.reach`);
-``render`` writes it as a terminal table, markdown, JSON or CSV. Standard library only
-(pandas for CSV).
+``build_report`` gathers the unoptimized peak and where it happens, the plan at the budget
+(what it recomputes and, planned with ``offload``, what it moves to pinned host memory and the
+copy time the compute waits for), the largest saved activations by node and by module, and
+optionally a sweep's Pareto front and a proven lower bound on the recompute time of every plan
+at the budget (:mod:`planner.bounds.reach`); ``render`` writes it as a terminal table, markdown,
+JSON or CSV. Standard library only (pandas for CSV).
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner.core.costgraph import CostGraph
+from planner.core.offload import simulate_offload
+from planner.core.options import SolveOptions
 from planner.core.plan import Plan, describe_capture, describe_segments, format_ms, rerun_nodes
 from planner.core.simulate import SimulationResult, simulate
 from planner.sweep import pareto_front
@@ -70,6 +73,8 @@ class Report:
     #: the first line of the capture failure that sent the model down the graph-break or
     #: module path (``plan.capture``); "" where the path was the captured graph or asked for
     capture_failure: str = ""
+    #: the host link the plan's copies to pinned host memory were priced over ("" : none offloaded)
+    host_link: str = ""
     timelines: dict[str, SimulationResult] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,6 +96,9 @@ class Report:
             },
             "plan": _plan_dict(plan) | {
                 "kept_activation_bytes": self.kept_activation_bytes,
+                "offloaded": [{"node": name, "fetched_at": trigger}
+                              for name, trigger in zip(plan.offloaded, plan.offload_triggers)],
+                "host_link": self.host_link or None,
                 "computation_changes": list(plan.computation_changes),
                 "segments": [
                     {"first": s.node_names[0], "last": s.node_names[-1], "nodes": len(s.node_names),
@@ -122,6 +130,9 @@ def _plan_dict(plan: Plan) -> dict[str, Any]:
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "recompute_ms": plan.recompute_ms,
         "recompute_flops": plan.recompute_flops,
+        "offloaded_bytes": plan.offloaded_bytes,
+        "exposed_transfer_ms": plan.exposed_transfer_ms,
+        "extra_time_ms": plan.extra_time_ms,
         "overhead_ratio": plan.overhead_ratio,
         "step_ms": plan.step_ms,
         "segment_count": len(plan.segments),
@@ -144,16 +155,26 @@ def build_report(
     loss_chunk_floors: tuple[int, int] | None = None,
     unoptimized_graph: CostGraph | None = None,
     capture_failure: str = "",
+    offload: SolveOptions | None = None,
 ) -> Report:
     """Gather the report for ``plan`` (made from ``graph``), an optional sweep and an optional
     lower bound (:func:`planner.bounds.reach.recompute_bound` at the plan's budget).
     ``unoptimized_graph``: the profile of the user's own step where ``graph`` computes it
     otherwise (the loss in row chunks); its peak and timeline are the unoptimized ones.
     ``capture_failure``: why the plan is not the captured graph's, where a failed capture
-    chose its path (:attr:`Report.capture_failure`)."""
+    chose its path (:attr:`Report.capture_failure`).
+    ``offload``: the options the plan was solved with, whose host link priced its copies to
+    pinned host memory (the plan's timeline is then replayed with them)."""
     reference = unoptimized_graph or graph
     unoptimized = simulate(reference)
-    planned = simulate(graph, [s.node_names for s in plan.segments])
+    host_link = ""
+    if plan.offloaded and offload is not None:
+        copies = simulate_offload(graph, plan.segments, plan.offloaded, offload.offload_spec(),
+                                  triggers=dict(zip(plan.offloaded, plan.offload_triggers)))
+        planned = SimulationResult(copies.peak_bytes, copies.peak_phase, copies.peak_node, copies.timeline)
+        host_link = _link_text(offload)
+    else:
+        planned = simulate(graph, [s.node_names for s in plan.segments])
     saved = graph.saved_bytes_by_node()
     # a segment's saved activations are dropped from the forward, those of nodes its recompute
     # never reruns too (their inputs are remade); kept nodes hold theirs
@@ -181,11 +202,20 @@ def build_report(
         pareto=pareto_front(sweep_plans) if sweep_plans else [],
         bound=bound,
         loss_chunk_floors=loss_chunk_floors,
+        host_link=host_link,
         device=_profiled_on(graph),
         graph_step=str(graph.metadata.get("step") or ""),
         capture_failure=capture_failure,
         timelines={"unoptimized": unoptimized, "plan": planned},
     )
+
+
+def _link_text(options: SolveOptions) -> str:
+    """The host link as the options set it: a named link, or one bandwidth both ways."""
+    spec = options.offload_spec()
+    if options.host_bandwidth_gbps is not None:
+        return f"{spec.h2d_gbps:g} GB/s each way"
+    return f"{options.host_link} ({spec.h2d_gbps:g} GB/s to the device, {spec.d2h_gbps:g} GB/s to the host)"
 
 
 def _profiled_on(graph: CostGraph) -> str:
@@ -216,7 +246,11 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         ["planned peak (predicted)", _mib(plan.predicted_peak_bytes)],
         ["kept activations", _mib(report.kept_activation_bytes)],
         ["recomputed", describe_segments(plan.segments)],
-        ["extra time (predicted)", f"{format_ms(plan.recompute_ms)} per step ({plan.overhead_ratio:.1%} of "
+        *([["offloaded", f"outputs of {len(plan.offloaded)} nodes, {_mib(plan.offloaded_bytes)} to pinned host "
+                         f"memory" + (f" over {report.host_link}" if report.host_link else "")],
+           ["copies not hidden (predicted)", f"{format_ms(plan.exposed_transfer_ms)} per step"]]
+          if plan.offloaded else []),
+        ["extra time (predicted)", f"{format_ms(plan.extra_time_ms)} per step ({plan.overhead_ratio:.1%} of "
                                    f"{format_ms(plan.step_ms)})"],
         ["extra FLOPs", f"{plan.recompute_flops:.3e}"],
         ["computation", "; ".join(f"CHANGED: {c}" for c in plan.computation_changes) or "the model's own"],
@@ -240,10 +274,12 @@ def _rows(report: Report) -> list[tuple[str, list[str], list[list[str]]]]:
         [m, _mib(b)] for m, b in report.top_modules
     ]))
     if report.pareto:
-        tables.append(("Pareto front (sweep)", ["budget", "predicted peak", "extra time", "extra FLOPs", "segments"], [
+        offloads = any(p.offloaded for p in report.pareto)  # a column of its own only where a plan offloads
+        tables.append(("Pareto front (sweep)", ["budget", "predicted peak", "extra time", "extra FLOPs", "segments",
+                                                *(["offloaded"] if offloads else [])], [
             [_mib(p.budget_bytes), _mib(p.predicted_peak_bytes),
-             f"{format_ms(p.recompute_ms)} ({p.overhead_ratio:.1%})",
-             f"{p.recompute_flops:.3e}", str(len(p.segments))]
+             f"{format_ms(p.extra_time_ms)} ({p.overhead_ratio:.1%})",
+             f"{p.recompute_flops:.3e}", str(len(p.segments)), *([_mib(p.offloaded_bytes)] if offloads else [])]
             for p in report.pareto
         ]))
     return tables

@@ -27,6 +27,7 @@ from planner.core.options import PlanOptions, with_overrides
 from planner.core.plan import Plan
 from planner.core.simulate import simulate
 from planner.solvers.solve import minimum_peak_plan, solve
+from planner.solvers.starts.offload import smallest_offload_peak
 from planner.core.units import MIB
 
 __all__ = ["sweep", "pareto_front", "SWEEP_MAX_SOLVE_S", "SWEEP_TIME_LIMIT_S"]
@@ -52,9 +53,11 @@ def sweep(
     """One plan per budget, smallest budget first; infeasible budgets are skipped.
 
     Without ``budgets_bytes``, ``points`` budgets are spread evenly from the smallest feasible
-    peak to the unoptimized peak. Costs never rise with the budget: when a budget's own plan
-    costs more than a smaller budget's, the cheaper plan (which fits the larger budget too) is
-    used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
+    peak to the unoptimized peak (with ``offload``, from the smallest peak offloading reaches:
+    :func:`planner.solvers.starts.offload.smallest_offload_peak`). Costs (predicted extra step
+    time, copies the compute waits for included) never rise with the budget: when a budget's
+    own plan costs more than a smaller budget's, the cheaper plan (which fits the larger budget
+    too) is used for it. As in :func:`planner.pipeline.plan_for_budget`, each plan's predicted peak stays
     ``safety_margin`` below its budget (allocator rounding the profile does not see).
     ``options`` (:class:`planner.core.options.PlanOptions`, or its fields by name in
     ``overrides``) are each solve's; ``max_solve_s`` bounds each budget's solve (:func:`planner.solvers.solve.solve`; default
@@ -70,7 +73,9 @@ def sweep(
             raise ValueError("points must be at least 2")
         # the margin sits below each budget: the ends are the smallest feasible and the
         # unoptimized peaks plus their margin (and a few bytes for rounding)
-        low = math.ceil(minimum_peak_plan(graph, options.solve_options()).predicted_peak_bytes / (1 - safety_margin)) + 2
+        smallest = minimum_peak_plan(graph, options.solve_options())
+        floor = smallest_offload_peak(graph, smallest, options) if options.offload else smallest.predicted_peak_bytes
+        low = math.ceil(floor / (1 - safety_margin)) + 2
         high = math.ceil(simulate(graph).peak_bytes / (1 - safety_margin)) + 2
         if low >= high:
             log.warning("sweep: no plan peaks below the unoptimized %.1f MiB (nothing in this graph can be "
@@ -81,7 +86,7 @@ def sweep(
         try:
             plan = solve(graph, int(budget * (1 - safety_margin)), options.solve_options())
             plan = dataclasses.replace(plan, budget_bytes=int(budget))
-            if plans and plans[-1].recompute_ms < plan.recompute_ms:
+            if plans and plans[-1].extra_time_ms < plan.extra_time_ms:
                 plan = dataclasses.replace(plans[-1], budget_bytes=int(budget))
             plans.append(plan)
         except InfeasibleBudgetError:
@@ -91,9 +96,10 @@ def sweep(
 
 
 def pareto_front(plans: Sequence[Plan]) -> list[Plan]:
-    """The plans no other plan beats on both predicted peak and recompute time, by peak."""
+    """The plans no other plan beats on both predicted peak and extra step time (recompute plus
+    exposed copies), by peak."""
     front: list[Plan] = []
-    for plan in sorted(plans, key=lambda p: (p.predicted_peak_bytes, p.recompute_ms)):
-        if not front or plan.recompute_ms < front[-1].recompute_ms:
+    for plan in sorted(plans, key=lambda p: (p.predicted_peak_bytes, p.extra_time_ms)):
+        if not front or plan.extra_time_ms < front[-1].extra_time_ms:
             front.append(plan)
     return front

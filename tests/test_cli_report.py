@@ -182,6 +182,23 @@ def test_target_device_plans_on_fake_tensors_with_the_same_bytes_as_the_python_a
     assert bad.returncode == 2 and "unknown target device 'tpu9'" in bad.stderr
 
 
+def test_offload_flags_predict_a_plan_with_copies_for_the_target_and_it_costs_no_more(saved):
+    root, _, _ = saved
+    result = cli("report", str(root / "gpt2"), "--budget-gb", "0.0017", "--batch-size", "2", "--seq-len", "32",
+                 "--target", "h100", "--format", "json", "--offload", "--host-link", "h100")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["offloaded_bytes"] > 0 and len(plan["offloaded"]) >= 1 and plan["host_link"].startswith("h100")
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    assert plan["extra_time_ms"] == plan["recompute_ms"] + plan["exposed_transfer_ms"]
+    from planner.pipeline import plan_for_budget
+    from profiling.load import load_model
+
+    loaded = load_model(str(root / "gpt2"), batch_size=2, seq_len=32)
+    graph = profile_graph(trace_module(loaded.module, loaded.inputs), loaded.inputs, fake=True, target="h100")
+    assert plan["extra_time_ms"] <= plan_for_budget(graph, 0.0017).extra_time_ms
+
+
 def test_exact_flag_proves_or_improves_the_plan_on_a_larger_graph(saved):
     """GPT-2's graph has more than 64 compute nodes, so by default the exact search runs there
     only when the ILP's plan leaves room unused: ``--exact`` never costs more than the default

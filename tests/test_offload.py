@@ -10,6 +10,7 @@ import pytest
 
 from graphs import MIB, chain, random_dag
 from planner.core.costgraph import CostGraph, CostNode, Storage
+from planner.core.errors import InfeasibleBudgetError
 from planner.core.offload import HOST_LINKS, OffloadSpec, offloadable_nodes, simulate_offload
 from planner.core.plan import Plan, Segment
 from planner.core.rerun import rerun_cost
@@ -213,9 +214,18 @@ def test_summary_shows_the_offloaded_bytes_and_the_extra_time_counts_exposed_cop
 H100_NAMES = ["gpt2_gpu", "llama_gpu", "bert_gpu", "mlp_gpu", "t5_gpu", "gpt2_24l_gpu"]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("t5_gpu", "gpt2_24l_gpu") else n
+def _replays_to_what_it_says(graph: CostGraph, plan: Plan, link: OffloadSpec) -> None:
+    replay = simulate_offload(graph, plan.segments, plan.offloaded, link,
+                              triggers=dict(zip(plan.offloaded, plan.offload_triggers)))
+    assert replay.peak_bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert replay.exposed_ms == pytest.approx(plan.exposed_transfer_ms)
+    assert (replay.offloaded, replay.offloaded_bytes) == (plan.offloaded, plan.offloaded_bytes)
+    assert plan.extra_time_ms == pytest.approx(plan.recompute_ms + plan.exposed_transfer_ms)
+
+
+@pytest.mark.parametrize("name", [n if n in ("bert_gpu", "mlp_gpu") else pytest.param(n, marks=pytest.mark.slow)
                                   for n in H100_NAMES])
-def test_on_the_h100_profiles_offload_predicts_less_than_recompute_and_than_offloading_every_boundary(name):
+def test_on_the_h100_profiles_the_solve_with_offload_predicts_no_more_than_recompute_or_every_output_offloaded(name):
     from h100_profiles import H100_PROFILES
 
     from planner.core.costgraph import protect_reads_before_writes
@@ -227,12 +237,125 @@ def test_on_the_h100_profiles_offload_predicts_less_than_recompute_and_than_offl
     every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
     budget = simulate(graph, every.segments).peak_bytes
     base = solve(graph, budget)
+    assert base.offloaded == ()
     link = HOST_LINKS["h100"]
-    plan = offload_plan(graph, budget, base, link)
-    assert plan is not None and plan.predicted_peak_bytes <= budget
-    assert plan.extra_time_ms < base.extra_time_ms
+    plan = solve(graph, budget, offload=True)
+    _replays_to_what_it_says(graph, plan, link)
+    assert plan.offloaded and plan.extra_time_ms < base.extra_time_ms
     boundaries = simulate_offload(graph, every.segments, list(offloadable_nodes(graph, every.segments)), link)
-    assert plan.extra_time_ms < every.recompute_ms + boundaries.exposed_ms
+    assert boundaries.peak_bytes <= budget  # the candidate fits here, so the solve predicts no more than it
+    assert plan.extra_time_ms <= every.recompute_ms + boundaries.exposed_ms
+    # the offload start around the plan of recompute alone is one of the solve's candidates
+    around = offload_plan(graph, budget, base, link)
+    assert around is not None and plan.extra_time_ms <= around.extra_time_ms
+
+
+def _layers(count: int, step_ms: float) -> CostGraph:
+    """``count`` layers of (linear, tanh) over 1 MiB outputs, each 1 ms, with module paths."""
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    for i in range(1, 2 * count + 1):
+        op = ("aten.linear.default", "aten.tanh.default")[(i - 1) % 2]
+        nodes.append(CostNode(f"n{i}", op, input_names=(nodes[-1].name,), output_storages=(i,), saved_storages=(i,),
+                              output_bytes=MIB, requires_grad=True, time_ms=1.0, flops=10**6 if "linear" in op else 0,
+                              module=f"layers.{(i - 1) // 2}"))
+    storages = tuple(Storage(i, MIB, i == 0) for i in range(2 * count + 1))
+    return CostGraph(tuple(nodes), storages, (nodes[-1].name,), step_ms=step_ms)
+
+
+@pytest.mark.parametrize("gbps", [1e-3, 0.05, 0.2, 1.0, 50.0])
+def test_the_solve_with_offload_replays_to_what_it_says_and_never_predicts_more_than_its_candidates(gbps):
+    from planner.solvers.hand_policies import hand_placed_plans
+    from planner.solvers.solve import solve
+
+    g = _layers(6, step_ms=36.0)
+    link = OffloadSpec(h2d_gbps=gbps, d2h_gbps=gbps)
+    every = next(p for p in hand_placed_plans(g) if p.name == "every layer")
+    for budget in range(simulate(g, every.segments).peak_bytes - 2 * MIB, simulate(g).peak_bytes, MIB):
+        try:
+            base = solve(g, budget)
+        except InfeasibleBudgetError:
+            base = None
+        plan = solve(g, budget, offload=True, host_bandwidth_gbps=gbps)
+        _replays_to_what_it_says(g, plan, link)
+        if base is not None:
+            assert plan.extra_time_ms <= base.extra_time_ms
+        boundaries = simulate_offload(g, every.segments, list(offloadable_nodes(g, every.segments)), link)
+        if boundaries.peak_bytes <= budget:
+            assert plan.extra_time_ms <= every.recompute_ms + boundaries.exposed_ms
+
+
+def test_the_solve_with_offload_meets_budgets_recompute_cannot_and_names_the_smallest_it_reaches():
+    from planner.solvers.solve import solve
+
+    g = _relu_chain("abcd", step_ms=12.0)
+    g = dataclasses.replace(g, nodes=tuple(dataclasses.replace(n, recomputable=False) for n in g.nodes))
+    link = dict(host_bandwidth_gbps=KB_PER_MS)
+    with pytest.raises(InfeasibleBudgetError):
+        solve(g, 6000)
+    plan = solve(g, 6000, offload=True, **link)
+    assert plan.segments == () and plan.offloaded and plan.predicted_peak_bytes <= 6000
+    _replays_to_what_it_says(g, plan, OffloadSpec(KB_PER_MS, KB_PER_MS))
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        solve(g, 4000, offload=True, **link)
+    floor = refused.value.min_feasible_bytes
+    assert 4000 < floor < simulate(g).peak_bytes
+    assert solve(g, floor, offload=True, **link).predicted_peak_bytes <= floor  # the budget named is met
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_without_offload_the_solve_is_the_plan_of_recompute_and_with_it_never_costs_more(seed):
+    from planner.solvers.solve import solve
+
+    rng = random.Random(seed)
+    g = random_dag(seed, rng.randint(6, 14))
+    unoptimized = simulate(g).peak_bytes
+    budget = int(unoptimized * rng.uniform(0.6, 0.95))
+    try:
+        base = solve(g, budget, exact=False)
+    except InfeasibleBudgetError:
+        return
+    assert base.offloaded == () and base.extra_time_ms == base.recompute_ms
+    assert dataclasses.replace(solve(g, budget, exact=False, offload=False), solve_s=0.0) == \
+        dataclasses.replace(base, solve_s=0.0)
+    plan = solve(g, budget, exact=False, offload=True, host_link="gh200")
+    _replays_to_what_it_says(g, plan, HOST_LINKS["gh200"])
+    assert plan.extra_time_ms <= base.extra_time_ms
+
+
+def test_sweep_and_report_show_what_a_plan_offloads_and_its_exposed_copies():
+    import json
+
+    from planner.core.options import PlanOptions
+    from planner.report import build_report, render
+    from planner.solvers.smallest_peak import minimum_peak_plan
+    from planner.solvers.solve import solve
+    from planner.sweep import sweep
+
+    g = _layers(6, step_ms=36.0)
+    options = PlanOptions(offload=True, host_bandwidth_gbps=1.0, safety_margin=0.0)
+    budget = 11 * MIB
+    plan = solve(g, budget, options.solve_options())
+    assert plan.offloaded and plan.offloaded_bytes == 4 * MIB
+    plans = sweep(g, options=options, points=4)
+    # the sweep starts from the smallest peak offloading reaches, below the smallest of recompute alone
+    assert plans[0].offloaded and plans[0].budget_bytes < minimum_peak_plan(g).predicted_peak_bytes
+    extra = [p.extra_time_ms for p in plans]
+    assert extra == sorted(extra, reverse=True)
+    report = build_report(g, plan, sweep_plans=plans, offload=options)
+    data = json.loads(render(report, "json"))["plan"]
+    assert (data["offloaded_bytes"], data["exposed_transfer_ms"]) == (4 * MIB, 0.0)
+    assert data["host_link"] == "1 GB/s each way"
+    assert [o["node"] for o in data["offloaded"]] == list(plan.offloaded)
+    assert data["extra_time_ms"] == plan.extra_time_ms
+    text = render(report, "text")
+    assert "offloaded                      outputs of 4 nodes, 4.0 MiB to pinned host memory over 1 GB/s" in text
+    assert "copies not hidden (predicted)" in text
+    assert text.split("Pareto front (sweep)\n")[1].splitlines()[0].split()[-1] == "offloaded"
+    # the plan's timeline is replayed with its copies: its peak is the plan's
+    assert max(live for *_, live in report.timelines["plan"].timeline) == plan.predicted_peak_bytes
+    # a plan without copies shows no offload rows
+    plain = build_report(g, solve(g, budget))
+    assert "offloaded" not in render(plain, "text") and json.loads(render(plain, "json"))["plan"]["offloaded"] == []
 
 
 def test_plan_for_budget_with_offload_keeps_the_plan_that_predicts_less_and_options_are_checked():

@@ -121,4 +121,23 @@ def test_the_plan_command_passes_every_flag_to_optimize(monkeypatch, capsys):
                  "--output-held", "--compile"]) == 2
     assert "recorded" in capsys.readouterr().err
     assert seen == {"budget_gb": 1.0, "max_stages": 8, "exact": True, "max_solve_s": None, "trace_method": "modules",
-                    "simplify_attention_masks": False, "chunk_loss": False, "output_held": True, "compile": True}
+                    "simplify_attention_masks": False, "chunk_loss": False, "output_held": True, "compile": True,
+                    "offload": False, "host_link": "h100", "host_bandwidth_gbps": None, "pinned_host_gb": None}
+
+
+def test_offload_is_a_flag_of_report_and_plan_and_plan_refuses_it_with_optimize_s_one_line(monkeypatch, capsys):
+    import torch
+
+    flags = _flags_by_command()
+    for flag in ("--offload", "--host-link", "--host-bandwidth-gbps", "--pinned-host-gb"):
+        assert flag in flags["report"] and flag in flags["plan"] and flag not in flags["check"], flag
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    monkeypatch.setattr("planner.cli.load_entry_point", lambda spec: (model, (torch.randn(2, 4),)))
+    assert main(["plan", "m:f", "--budget-gb", "1", "--offload", "--host-link", "gh200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ckpt-planner: offload=True needs a CUDA device") and "\n" not in err
+    # a value the options refuse fails before anything loads, on report as on plan
+    assert main(["report", "missing.pt2", "--budget-gb", "1", "--offload", "--pinned-host-gb", "-1"]) == 2
+    assert "pinned_host_gb must be a positive number" in capsys.readouterr().err
+    assert main(["report", "missing.pt2", "--budget-gb", "1", "--host-link", "pcie9"]) == 2
+    assert "invalid choice: 'pcie9'" in capsys.readouterr().err

@@ -115,11 +115,19 @@ def option(default: object, help: str) -> Any:
 class SolveOptions:
     """How :func:`planner.solvers.solve.solve` searches: each field's default and one-line help
     are declared here once, checked when made. docs/design.md#how-the-planner-decides says what
-    each part of the search does.
+    each part of the search does. ``offload``: held outputs may also go to pinned host memory
+    (the solve's offload step, :mod:`planner.solvers.starts.offload`), copies priced over
+    ``host_link``'s bandwidths (:data:`planner.core.offload.HOST_LINKS`) or
+    ``host_bandwidth_gbps`` both ways, with at most ``pinned_host_gb`` GiB pinned
+    (:meth:`offload_spec`).
 
     Example:
         >>> SolveOptions().finer_rounds, SolveOptions(exact=True).exact
         (2, True)
+        >>> SolveOptions(offload=True, host_bandwidth_gbps=25).offload_spec().d2h_gbps
+        25.0
+        >>> SolveOptions(offload=True, pinned_host_gb=8).offload_spec().pinned_host_bytes == 8 * 2**30
+        True
         >>> SolveOptions(refine_s=-1)
         Traceback (most recent call last):
         ...
@@ -144,6 +152,10 @@ class SolveOptions:
     max_solve_s: float | None = option(None, "stop improving each plan after this many seconds of solving and use "
                                              "the cheapest found by then (the first plan runs to its own limit); "
                                              "default: no bound, so plans do not depend on the machine's speed")
+    offload: bool = option(False, "held outputs may also go to pinned host memory (CUDA; predicted only)")
+    host_link: str = option("h100", "the host link whose bandwidths price the copies (planner.core.offload.HOST_LINKS)")
+    host_bandwidth_gbps: float | None = option(None, "host link bandwidth both ways in GB/s, instead of host_link's")
+    pinned_host_gb: float | None = option(None, "most GiB of pinned host memory the copies may hold")
 
     def __post_init__(self) -> None:
         check_max_stages(self.max_stages)
@@ -159,6 +171,25 @@ class SolveOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InputError(f"{name} must be an integer of at least {least}, got {value!r}")
+        if not isinstance(self.offload, bool):
+            raise InputError(f"offload must be True or False, got {self.offload!r}")
+        if self.host_link not in HOST_LINKS:
+            raise InputError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
+        for name in ("host_bandwidth_gbps", "pinned_host_gb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise InputError(f"{name} must be a positive number, got {value!r}")
+
+    def offload_spec(self) -> OffloadSpec:
+        """The host link the offload step prices copies with: ``host_link``'s, with
+        ``host_bandwidth_gbps`` and ``pinned_host_gb`` in its place where given."""
+        spec = HOST_LINKS[self.host_link]
+        if self.host_bandwidth_gbps is not None:
+            spec = replace(spec, h2d_gbps=float(self.host_bandwidth_gbps), d2h_gbps=float(self.host_bandwidth_gbps))
+        if self.pinned_host_gb is not None:
+            spec = replace(spec, pinned_host_bytes=int(self.pinned_host_gb * GIB))
+        return spec
 
     def solve_options(self) -> SolveOptions:
         """Only the fields of :class:`SolveOptions` (a :class:`PlanOptions` carries more)."""
@@ -184,26 +215,19 @@ def with_overrides(options: SolveOptions | None, overrides: dict[str, Any]) -> S
 @dataclass(frozen=True)
 class PlanOptions(SolveOptions):
     """The planning options of :func:`planner.pipeline.optimize`: how to solve
-    (:class:`SolveOptions`) and what room to keep, checked when made, so a bad one fails before
-    any profiling. ``offload``: held outputs may also go to pinned host memory
-    (:mod:`planner.solvers.offload`), over ``host_link``'s bandwidths
-    (:data:`planner.core.offload.HOST_LINKS`) or ``host_bandwidth_gbps`` both ways, with at most
-    ``pinned_host_gb`` GiB pinned.
+    (:class:`SolveOptions`, offload to host memory included) and what room to keep, checked when
+    made, so a bad one fails before any profiling.
 
     Example:
-        >>> PlanOptions(offload=True, host_bandwidth_gbps=25).offload_spec().d2h_gbps
-        25.0
-        >>> PlanOptions(offload=True, pinned_host_gb=8).offload_spec().pinned_host_bytes == 8 * 2**30
+        >>> PlanOptions(reserve_gb=1).reserve_bytes == 2**30
+        True
+        >>> PlanOptions(offload=True).solve_options().offload
         True
     """
 
     reserve_gb: float = option(0.0, "GiB kept outside the plan (optimizer state, other tensors)")
     safety_margin: float = option(0.01, "share of the rest of the budget kept free")
     world_size: int = option(1, "ranks the parameters and their gradients are sharded over (FSDP/ZeRO-3)")
-    offload: bool = option(False, "held outputs may also go to pinned host memory (CUDA; predicted only)")
-    host_link: str = option("h100", "the host link whose bandwidths price the copies (planner.core.offload.HOST_LINKS)")
-    host_bandwidth_gbps: float | None = option(None, "host link bandwidth both ways in GB/s, instead of host_link's")
-    pinned_host_gb: float | None = option(None, "most GiB of pinned host memory the copies may hold")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,24 +238,6 @@ class PlanOptions(SolveOptions):
             raise InputError(f"safety_margin must be in [0, 1), got {self.safety_margin!r}")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise InputError(f"world_size must be a positive integer, got {self.world_size!r}")
-        if not isinstance(self.offload, bool):
-            raise InputError(f"offload must be True or False, got {self.offload!r}")
-        if self.host_link not in HOST_LINKS:
-            raise InputError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
-        for name in ("host_bandwidth_gbps", "pinned_host_gb"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
-                raise InputError(f"{name} must be a positive number, got {value!r}")
-
-    def offload_spec(self) -> OffloadSpec:
-        """The host link the offload start prices copies with."""
-        spec = HOST_LINKS[self.host_link]
-        if self.host_bandwidth_gbps is not None:
-            spec = replace(spec, h2d_gbps=float(self.host_bandwidth_gbps), d2h_gbps=float(self.host_bandwidth_gbps))
-        if self.pinned_host_gb is not None:
-            spec = replace(spec, pinned_host_bytes=int(self.pinned_host_gb * GIB))
-        return spec
 
     @property
     def reserve_bytes(self) -> int:
@@ -241,8 +247,9 @@ class PlanOptions(SolveOptions):
 def check_offload_device(offload: bool, device_type: str) -> None:
     """Refuse ``offload=True`` in :func:`planner.pipeline.optimize`: on CPU because copies to host
     memory pay off only behind GPU compute; on CUDA until the GPU check has measured offload
-    plans (docs/benchmarks/offload.md is predicted). Plan one on a profile with
-    :func:`planner.solvers.offload.offload_plan` and apply it to the captured graph with
+    plans (docs/benchmarks/offload.md is predicted). Predict one with ``ckpt-planner report
+    --offload`` or plan one on a profile with ``solve(graph, budget_bytes, offload=True)``
+    (:func:`planner.solvers.solve.solve`), and apply it to the captured graph with
     :func:`rewrite.offload.apply_offload` before :func:`rewrite.apply.apply_plan`.
 
     Example:
@@ -257,6 +264,6 @@ def check_offload_device(offload: bool, device_type: str) -> None:
     if device_type != "cuda":
         raise InputError(f"offload=True needs a CUDA device (copies to host memory pay off only behind GPU "
                          f"compute): leave offload off on {device_type}")
-    raise InputError("offload=True waits for a measurement on a GPU, so optimize refuses it: plan with "
-                     "planner.solvers.offload.offload_plan and apply with rewrite.offload.apply_offload "
-                     "(docs/design.md#offload), or leave offload off")
+    raise InputError("offload=True waits for a measurement on a GPU, so optimize refuses it: predict it with "
+                     "`ckpt-planner report --offload`, or plan with planner.solvers.solve.solve(..., offload=True) "
+                     "and apply with rewrite.offload.apply_offload (docs/design.md#offload), or leave offload off")

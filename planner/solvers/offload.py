@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -40,7 +41,8 @@ from planner.core.costgraph import CostGraph
 from planner.core.offload import OffloadSimulation, OffloadSpec, offloadable_nodes, simulate_offload
 from planner.core.plan import Plan, Segment
 
-__all__ = ["offload_plan", "OffloadChoice", "fit_with_offload"]
+__all__ = ["offload_plan", "OffloadChoice", "fit_with_offload", "offload_everything", "offload_floor",
+           "with_offloads"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +179,85 @@ def offload_plan(graph: CostGraph, budget_bytes: int, base: Plan, spec: OffloadS
     result = current.result
     logger.info("offload: %d outputs (%.1f MiB) to host memory, %.3f ms extra where the plan had %.3f ms",
                 len(current.offloaded), result.offloaded_bytes / 2**20, current.extra_ms, base_extra_ms)
-    return replace(base, segments=current.segments, predicted_peak_bytes=result.peak_bytes,
-                   budget_bytes=budget_bytes, offloaded=result.offloaded, offload_triggers=result.triggers,
-                   offloaded_bytes=result.offloaded_bytes,
-                   exposed_transfer_ms=result.exposed_ms, solver=f"{base.solver} + offload",
-                   solve_s=base.solve_s + time.perf_counter() - started, optimality_gap=None, by_chain_dp=False)
+    return replace(with_offloads(base, current.segments, result, f"{base.solver} + offload"),
+                   budget_bytes=budget_bytes, solve_s=base.solve_s + time.perf_counter() - started)
+
+
+def with_offloads(base: Plan, segments: Sequence[Segment], result: OffloadSimulation, solver: str) -> Plan:
+    """``base`` recomputing ``segments`` with the copies of ``result`` (its replay): peak,
+    offloaded nodes, their triggers and bytes, exposed transfer time, all the replay's.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+        ...                CostNode("a", "relu", input_names=("x",), output_storages=(2,), saved_storages=(2,),
+        ...                         output_bytes=10, requires_grad=True, time_ms=1.0),
+        ...                CostNode("b", "relu", input_names=("a",), output_storages=(3,), output_bytes=10,
+        ...                         requires_grad=True, time_ms=1.0)),
+        ...               (Storage(1, 10, True), Storage(2, 10), Storage(3, 10)), output_names=("b",))
+        >>> base = Plan(budget_bytes=30, predicted_peak_bytes=30, unoptimized_peak_bytes=30, segments=(),
+        ...             forward_ms=2.0, step_ms=6.0, forward_flops=0, solver="none", solve_s=0.0)
+        >>> plan = with_offloads(base, (), simulate_offload(g, (), ("a",), OffloadSpec(1.0, 1.0)), "copies")
+        >>> plan.offloaded, plan.offloaded_bytes, plan.solver
+        (('a',), 10, 'copies')
+    """
+    return replace(base, segments=tuple(segments), predicted_peak_bytes=result.peak_bytes,
+                   offloaded=result.offloaded, offload_triggers=result.triggers,
+                   offloaded_bytes=result.offloaded_bytes, exposed_transfer_ms=result.exposed_ms, solver=solver,
+                   optimality_gap=None, by_chain_dp=False)
+
+
+def _movable_bytes(graph: CostGraph, movable: dict[str, tuple[int, ...]]) -> int:
+    sizes = graph.storage_by_key
+    return sum(sizes[k].size_bytes for ks in movable.values() for k in ks)
+
+
+def offload_everything(graph: CostGraph, segments: Sequence[Segment], spec: OffloadSpec, *,
+                       limit_bytes: float = math.inf) -> OffloadSimulation | None:
+    """The replay of ``segments`` with every held output offloaded
+    (:func:`planner.core.offload.offloadable_nodes`): what ``save_on_cpu`` around those
+    checkpoints does. None where they need more than ``spec.pinned_host_bytes`` of host memory.
+    ``limit_bytes`` as :func:`planner.core.offload.simulate_offload`'s.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(1,)),
+        ...                CostNode("a", "relu", input_names=("x",), output_storages=(2,), saved_storages=(2,),
+        ...                         output_bytes=10, requires_grad=True, time_ms=1.0),
+        ...                CostNode("b", "relu", input_names=("a",), output_storages=(3,), output_bytes=10,
+        ...                         requires_grad=True, time_ms=1.0)),
+        ...               (Storage(1, 10, True), Storage(2, 10), Storage(3, 10)), output_names=("b",))
+        >>> offload_everything(g, (), OffloadSpec(1.0, 1.0)).offloaded
+        ('a',)
+        >>> offload_everything(g, (), OffloadSpec(1.0, 1.0, pinned_host_bytes=9)) is None
+        True
+    """
+    movable = offloadable_nodes(graph, segments)
+    if _movable_bytes(graph, movable) > spec.pinned_host_bytes:
+        return None
+    return simulate_offload(graph, segments, list(movable), spec, limit_bytes=limit_bytes)
+
+
+def offload_floor(graph: CostGraph, segments: Sequence[Segment], spec: OffloadSpec) -> int:
+    """The smallest peak :func:`fit_with_offload` can reach with ``segments``: the held outputs
+    within the pinned host memory, taken in execution order or largest first, all offloaded.
+    A budget of at least this fits with ``segments`` and offload.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> def relu(name, src, k):
+        ...     return CostNode(name, "relu", input_names=(src,), output_storages=(k,), saved_storages=(k,),
+        ...                     output_bytes=1000, requires_grad=True, time_ms=1.0)
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(1,)), relu("a", "x", 2),
+        ...                relu("b", "a", 3), relu("c", "b", 4), relu("d", "c", 5)),
+        ...               tuple(Storage(k, 1000, k == 1) for k in range(1, 6)), output_names=("d",), step_ms=12.0)
+        >>> link = OffloadSpec(h2d_gbps=1e-3, d2h_gbps=1e-3)   # 1,000 bytes per ms each way
+        >>> offload_floor(g, (), link), offload_floor(g, (), OffloadSpec(1e-3, 1e-3, pinned_host_bytes=0))
+        (6000, 7000)
+    """
+    movable = offloadable_nodes(graph, segments)
+    sizes = graph.storage_by_key
+    by_size = sorted(movable, key=lambda n: -sum(sizes[k].size_bytes for k in movable[n]))
+    chosen = {tuple(_within_pinned(graph, order, movable, spec.pinned_host_bytes))
+              for order in (list(movable), by_size)}
+    return min(simulate_offload(graph, segments, names, spec).peak_bytes for names in sorted(chosen))

@@ -38,6 +38,7 @@ from planner.solvers.keep_round import cheapest_with_kept_outputs
 from planner.solvers.smallest_peak import minimum_peak_plan
 from planner.solvers.stage_ilp import MIP_GAP, available_solvers
 from planner.solvers.starts import exact_search, finer_rounds, first_model, hand_placed, raised_target, short_segments
+from planner.solvers.starts import offload as offload_step
 from planner.solvers.starts.cost_search import fallback_plan, refined
 
 __all__ = ["solve", "STARTS", "SolveOptions", "minimum_peak_plan", "available_solvers", "MIP_GAP"]
@@ -61,7 +62,10 @@ def solve(graph: CostGraph, budget_bytes: int, options: SolveOptions | None = No
     search may find a cheaper plan or prove the first one the cheapest; the cheapest plan
     found is polished by the cost search, or, where none fits, the smallest-peak plan is the
     fallback. With ``selective``, op-level keep decisions follow on the chosen segments and on
-    the segments-only optimum (:mod:`planner.solvers.keep_round`).
+    the segments-only optimum (:mod:`planner.solvers.keep_round`). With ``offload``, the
+    offload step (:mod:`planner.solvers.starts.offload`) then compares that plan with held
+    outputs moved to pinned host memory, by predicted extra step time
+    (:attr:`planner.core.plan.Plan.extra_time_ms`).
 
     Raises:
         InfeasibleBudgetError: no plan found fits; the error names the smallest peak reached.
@@ -71,6 +75,21 @@ def solve(graph: CostGraph, budget_bytes: int, options: SolveOptions | None = No
     ctx = SolveContext.begin(graph, checked_budget_bytes(budget_bytes), options)
     if ctx.unoptimized_bytes <= ctx.budget_bytes:
         return dataclasses.replace(ctx.plan_of([], ctx.unoptimized_bytes, "none"), solve_s=0.0)
+    if not options.offload:
+        return _recompute_plan(ctx)
+    chosen: Plan | None = None
+    refused: InfeasibleBudgetError | None = None
+    try:
+        chosen = _recompute_plan(ctx)
+    except InfeasibleBudgetError as exc:  # offloading may still meet the budget
+        refused = exc
+    return offload_step.run(ctx, chosen, refused)
+
+
+def _recompute_plan(ctx: SolveContext) -> Plan:
+    """The cheapest plan of recompute the starts, the exact search and the cost search find,
+    or the smallest-peak plan where none fits; with ``selective``, outputs kept inside it."""
+    options = ctx.options
     ctx.first = first_model.run(ctx)
     found = [(start.run(ctx), start.on_stages) for start in STARTS]
     outcome = exact_search.run(ctx, cheapest([ctx.first.plan, *(plan for plan, _ in found)]))
@@ -99,7 +118,7 @@ def _with_kept_outputs(ctx: SolveContext, plan: Plan | None, fallback: Plan | No
     options = ctx.options
     try:
         plain: Plan | None = solve(ctx.graph, ctx.budget_bytes, dataclasses.replace(
-            options, selective=False, max_solve_s=ctx.deadline.left_s_or_none()))
+            options, selective=False, offload=False, max_solve_s=ctx.deadline.left_s_or_none()))
     except InfeasibleBudgetError:
         if plan is None:
             raise
