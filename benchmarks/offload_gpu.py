@@ -119,14 +119,20 @@ def _peak_bytes(module: torch.nn.Module, inputs: StepInputs, device: torch.devic
     return torch.cuda.max_memory_allocated(device)
 
 
+def _built(name: str, device: torch.device, tiny: bool) -> tuple[torch.nn.Module, dict[str, Any], StepInputs]:
+    """Model ``name`` at its benchmark (or ``tiny``) size on ``device`` in training mode, its
+    example inputs there, and the step inputs made of them."""
+    build, sizes, small = MODELS[name]
+    model, example = build(**(small if tiny else sizes))
+    model = model.to(device).train()
+    example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+    return model, example, StepInputs.from_example(example)
+
+
 def rows(names: list[str], device: torch.device, repeats: int, tiny: bool) -> list[list[str]]:
     table = []
     for name in names:
-        build, sizes, small = MODELS[name]
-        model, example = build(**(small if tiny else sizes))
-        model = model.to(device).train()
-        example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-        inputs = StepInputs.from_example(example)
+        model, example, inputs = _built(name, device, tiny)
         modules = variants(model, device)
         reference = _grads(model, inputs)
         ratios = step_time_ratios(list(modules.values()), inputs, repeats, device=device)
@@ -153,11 +159,7 @@ def planned_rows(names: list[str], device: torch.device, repeats: int, tiny: boo
     """Plans made on this device, recompute only and with offload, predicted against measured."""
     table = []
     for name in names:
-        build, sizes, small = MODELS[name]
-        model, example = build(**(small if tiny else sizes))
-        model = model.to(device).train()
-        example = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-        inputs = StepInputs.from_example(example)
+        model, example, inputs = _built(name, device, tiny)
         graph = protect_reads_before_writes(profile_graph(trace_module(model, example), example))
         every = next(p for p in hand_placed_plans(graph) if p.name == "every layer")
         budget = simulate(graph, every.segments).peak_bytes
