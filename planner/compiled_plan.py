@@ -5,15 +5,15 @@ temporaries) or elsewhere (the partitioner saves other tensors). :func:`plan_com
 
 1. compiles the captured graph with nothing recomputed and measures its step at the allocator:
    within the budget's room, that is the plan (nothing profiled);
-2. otherwise solves the eager profile with the bytes compile saved on the unoptimized step
-   (eager measured peak less compiled measured peak) as extra room, a first guess at how much
-   lower the compiled plan will peak than its eager prediction;
+2. otherwise solves the eager profile for the eager peak expected to compile into the room, less
+   the safety margin (:func:`planner.compiled_aim.eager_target_bytes`: compile saves a share of
+   the activations, not a fixed number of bytes); where that is below the eager floor, for the
+   floor (the compiled step peaks lower);
 3. compiles the chosen plan (its segments traced by Dynamo: :mod:`rewrite.compiled`) and
-   checks it on the compiled step's measured peak, as :mod:`planner.closed_loop` checks eager
-   plans: above the room, the graph is solved again with the extra room cut to what compile saved
-   on that plan, less the overshoot and the safety margin (up to :data:`MAX_COMPILED_SOLVES`
-   plans); well below, the gap is given back as room once, and the plan kept if it recomputes
-   less and still measures within the room.
+   measures the compiled step, as :mod:`planner.closed_loop` checks eager plans: above the room,
+   or more than twice the margin below it, the graph is solved again for the eager peak read off
+   the plans measured so far (up to :data:`MAX_COMPILED_SOLVES` plans); the plan that measured
+   within the room and recomputes least is returned.
 
 The plan returned has ``measured_peak_bytes`` (the compiled step's), ``compile_graph_breaks``
 and ``compile_s`` set. Each plan checked costs one compile.
@@ -34,10 +34,12 @@ import logging
 import time
 from typing import Any
 
+from planner.compiled_aim import PeakPair, eager_target_bytes
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import COMPILE_BACKEND, check_budget_gb
 from planner.core.plan import GIB, Plan
+from planner.core.simulate import simulate
 from planner.planning_steps import PlanningSteps
 from rewrite.attach import attach_to_user_modules
 from rewrite.compiled import COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_peak_bytes
@@ -129,20 +131,21 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         return unoptimized, _compiled_fields(plan, run), None
 
     graph = steps.profile(gm)
-    eager_unoptimized = graph.measured_peak_bytes
-    compile_saves = max(0, (eager_unoptimized or compiled_unoptimized) - compiled_unoptimized)
-    log.info("the compiled unoptimized step peaks at %.4f GiB, %.1f MiB below the eager step's: planned with that "
-             "as room, then checked compiled", compiled_unoptimized / GIB, compile_saves / 2**20)
+    log.info("the compiled unoptimized step peaks at %.4f GiB, the eager one at %.4f GiB: each plan is solved on the "
+             "eager profile for the eager peak expected to compile into the room, then compiled and measured",
+             compiled_unoptimized / GIB, (graph.measured_peak_bytes or 0) / GIB)
 
-    def solve_with(extra_bytes: int) -> Plan:
-        # negative extra room: bytes held all step
-        held, room = max(0, -extra_bytes), max(0, extra_bytes)
-        try:
-            solved = steps.plan(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
-        except InfeasibleBudgetError as exc:  # its figures count the extra room: the user's budget's terms
-            raise InfeasibleBudgetError(budget_bytes, max(budget_bytes + 1, exc.min_feasible_bytes - extra_bytes),
-                                        exc.note, compiled_unoptimized) from None
+    def solve_for(eager_room_bytes: int) -> Plan:
+        """The plan for an eager peak of ``eager_room_bytes`` (the solver's room, after the margin)."""
+        extra_bytes = eager_room_bytes - planning_room
+        held, room = max(0, -extra_bytes), max(0, extra_bytes)  # a smaller room: bytes held all step
+        solved = steps.plan(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
         return dataclasses.replace(solved, budget_bytes=budget_bytes, measured_unoptimized_peak_bytes=compiled_unoptimized)
+
+    def eager_floor_bytes(exc: InfeasibleBudgetError, eager_room_bytes: int) -> int:
+        """The solver's room at the smallest budget ``exc`` names, for the graph without held bytes."""
+        held = max(0, planning_room - eager_room_bytes)
+        return int((exc.min_feasible_bytes - planning.reserve_bytes) * (1 - planning.safety_margin)) - held
 
     def measured(candidate: Plan) -> tuple[Any, Plan]:
         if not candidate.segments:
@@ -151,42 +154,49 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         _, peak_bytes = compiled_step_peak_bytes(module, inputs, step, backend=backend)
         return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes)
 
-    extra = compile_saves
+    target_bytes = room_bytes - margin_bytes  # aimed inside the room by the margin
+    pairs = [PeakPair(simulate(graph).peak_bytes, compiled_unoptimized)]
+    eager_bytes = eager_target_bytes(pairs, target_bytes, graph.persistent_bytes)
     best: tuple[Any, Plan] | None = None
-    grown = False
+    floor_tried = False
     for attempt in range(MAX_COMPILED_SOLVES):
         try:
-            module, plan = measured(solve_with(extra))
-        except InfeasibleBudgetError:
+            solved = solve_for(eager_bytes)
+        except InfeasibleBudgetError as exc:
+            # below the eager floor: the floor's plan may still fit compiled, which peaks lower
             if best is not None:
                 break
-            raise
+            floor_bytes = eager_floor_bytes(exc, eager_bytes)
+            if floor_tried or floor_bytes <= eager_bytes:
+                raise InfeasibleBudgetError(  # in the user's budget's terms
+                    budget_bytes, max(budget_bytes + 1, budget_bytes + floor_bytes - eager_bytes), exc.note,
+                    compiled_unoptimized) from None
+            floor_tried = True
+            eager_bytes = floor_bytes
+            solved = solve_for(eager_bytes)
+        module, plan = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None
-        if peak <= room_bytes:
-            if best is None or plan.recompute_ms < best[1].recompute_ms:
-                best = module, plan
-            if grown or not plan.segments or room_bytes - peak <= 2 * margin_bytes:
-                break
-            grown = True  # well under the room: the gap given back once, kept if it recomputes less
-            extra += room_bytes - margin_bytes - peak
-            log.info("compiled plan measured %.4f GiB, %.1f MiB under the room: solving again with it", peak / GIB,
-                     (room_bytes - peak) / 2**20)
-            continue
-        if best is not None:  # the grown room overshot: the plan that fit stands
+        pairs.append(PeakPair(plan.predicted_peak_bytes, peak))
+        if peak <= room_bytes and (best is None or plan.recompute_ms < best[1].recompute_ms):
+            best = module, plan
+        if peak <= room_bytes and (not plan.segments or room_bytes - peak <= 2 * margin_bytes):
+            break  # fits, with no more than twice the margin left unused
+        following = eager_target_bytes(pairs, target_bytes, graph.persistent_bytes)
+        if following == eager_bytes or attempt == MAX_COMPILED_SOLVES - 1:
             break
-        if attempt == MAX_COMPILED_SOLVES - 1:
-            break
-        # the compiled step saved ``predicted - peak`` on this plan: plan for that much, less the margin
-        saved = plan.predicted_peak_bytes - peak
-        extra = min(extra - (peak - room_bytes), saved) - margin_bytes
-        log.warning("compiled plan measured %.4f GiB, above the room of %.4f GiB (eager prediction %.4f GiB): solving "
-                    "again with %.1f MiB of extra room (%d of %d)", peak / GIB, room_bytes / GIB,
-                    plan.predicted_peak_bytes / GIB, extra / 2**20, attempt + 1, MAX_COMPILED_SOLVES - 1)
+        log.log(logging.INFO if peak <= room_bytes else logging.WARNING,
+                "compiled plan measured %.4f GiB against a room of %.4f GiB (eager prediction %.4f GiB): solving "
+                "again for an eager peak of %.4f GiB (%d of %d)", peak / GIB, room_bytes / GIB,
+                plan.predicted_peak_bytes / GIB, following / GIB, attempt + 1, MAX_COMPILED_SOLVES - 1)
+        eager_bytes = following
     if best is None:
-        raise InfeasibleBudgetError(budget_bytes, budget_bytes + peak - room_bytes, note=(
-            f"the compiled plan's measured step peaked at {peak / GIB:.4f} GiB, {(peak - room_bytes) / 2**20:.1f} "
-            f"MiB above the room"), unoptimized_peak_bytes=compiled_unoptimized)
+        lowest = min(pair.compiled_measured_bytes for pair in pairs)
+        raise InfeasibleBudgetError(budget_bytes, lowest + planning.reserve_bytes, note=(
+            f"the lowest compiled plan measured {lowest / GIB:.4f} GiB (docs/memory.md#compiled-steps); "
+            f"torch.compile(optimize(model, ..., compile=False)) runs the eager plan between compiled graphs, "
+            f"with graph breaks"),
+            unoptimized_peak_bytes=compiled_unoptimized)
     module, plan = best
     plan = _compiled_fields(plan, module.meta.get(COMPILED_STEP))
     log.info("plan (compiled): measured peak %.3f GiB of %.3f GiB budget, %d segments, %d graph breaks",

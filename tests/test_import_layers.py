@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "milp": ("planner.milp",),
     "solvers": ("planner.solvers",),
     "bounds": ("planner.bounds",),
-    "planning": ("planner.budget_plan", "planner.sweep", "planner.closed_loop"),
+    "planning": ("planner.budget_plan", "planner.sweep", "planner.closed_loop", "planner.compiled_aim"),
     "profiling": ("profiling",),
     "rewrite": ("rewrite",),
     "steps": ("planner.capture_options", "planner.module_plan", "planner.graph_break_plan", "planner.uncaptured",

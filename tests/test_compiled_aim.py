@@ -1,0 +1,48 @@
+"""Where an eager plan is aimed so that its compiled step lands in the room (torch-free)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.compiled_aim import SLOPE_RANGE, PeakPair, eager_target_bytes
+
+
+def test_first_target_is_on_the_line_through_the_held_bytes_and_the_unoptimized_pair() -> None:
+    # compile keeps 60 % of the activations above 100 held bytes: 1100 eager -> 700 compiled
+    pairs = [PeakPair(1100, 700)]
+    target = eager_target_bytes(pairs, compiled_target_bytes=400, fixed_bytes=100)
+    assert target == 600  # 100 + (400 - 100) / 0.6
+    assert 100 + 0.6 * (target - 100) == pytest.approx(400)
+
+
+def test_later_targets_follow_the_last_two_measured_pairs() -> None:
+    # the first plan saved less under compile than the unoptimized step did: the line is steeper
+    pairs = [PeakPair(1100, 700), PeakPair(600, 450)]
+    assert eager_target_bytes(pairs, compiled_target_bytes=400, fixed_bytes=100) == 500  # slope 0.5
+
+
+def test_a_target_above_the_last_measurement_aims_higher() -> None:
+    pairs = [PeakPair(1100, 700), PeakPair(600, 300)]  # slope 0.8: 100 bytes of room left
+    assert eager_target_bytes(pairs, compiled_target_bytes=400, fixed_bytes=100) == 725
+
+
+def test_a_flat_or_falling_line_falls_back_to_the_held_bytes() -> None:
+    flat = [PeakPair(1100, 700), PeakPair(900, 500), PeakPair(800, 500)]
+    rising = [PeakPair(1100, 700), PeakPair(900, 500), PeakPair(800, 520)]
+    for pairs in (flat, rising):
+        last = pairs[-1]
+        slope = (last.compiled_measured_bytes - 100) / (last.eager_predicted_bytes - 100)
+        expected = round(last.eager_predicted_bytes + (400 - last.compiled_measured_bytes) / slope)
+        assert eager_target_bytes(pairs, compiled_target_bytes=400, fixed_bytes=100) == expected
+        assert expected < last.eager_predicted_bytes
+
+
+def test_no_usable_line_keeps_the_last_target() -> None:
+    # the held bytes equal the last pair's eager peak: no line through them
+    assert eager_target_bytes([PeakPair(500, 500)], compiled_target_bytes=400, fixed_bytes=500) == 500
+    assert SLOPE_RANGE[0] < 1 < SLOPE_RANGE[1]
+
+
+def test_no_pairs_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        eager_target_bytes([], compiled_target_bytes=400, fixed_bytes=100)
