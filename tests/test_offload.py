@@ -374,3 +374,20 @@ def test_plan_for_budget_with_offload_keeps_the_plan_that_predicts_less_and_opti
     for bad in (dict(host_link="pcie9"), dict(host_bandwidth_gbps=0), dict(pinned_host_gb=-1.0), dict(offload=1)):
         with pytest.raises(InputError):
             PlanOptions(**bad)
+
+
+def test_a_spent_max_solve_s_skips_the_offload_step_where_recompute_fits_and_not_where_it_cannot():
+    from planner.solvers.hand_policies import hand_placed_plans
+    from planner.solvers.solve import solve
+
+    g = _layers(6, step_ms=36.0)
+    every = next(p for p in hand_placed_plans(g) if p.name == "every layer")
+    budget = simulate(g, every.segments).peak_bytes
+    assert solve(g, budget, offload=True, host_bandwidth_gbps=50.0).offloaded  # offload wins with time to try
+    hurried = solve(g, budget, offload=True, host_bandwidth_gbps=50.0, max_solve_s=1e-9)
+    assert hurried.offloaded == () and hurried.predicted_peak_bytes <= budget
+
+    chain = _relu_chain("abcd", step_ms=12.0)
+    chain = dataclasses.replace(chain, nodes=tuple(dataclasses.replace(n, recomputable=False) for n in chain.nodes))
+    only_offload = solve(chain, 6000, offload=True, host_bandwidth_gbps=KB_PER_MS, max_solve_s=1e-9)
+    assert only_offload.offloaded and only_offload.predicted_peak_bytes <= 6000
