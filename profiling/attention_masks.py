@@ -43,7 +43,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["attention_nodes", "named_arguments", "drop_constant_masks", "simplify_constant_attention_masks"]
+__all__ = ["attention_nodes", "named_arguments", "drop_constant_masks", "share_constant_masks_over_batch",
+           "simplify_constant_attention_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,90 @@ def drop_constant_masks(gm: torch.fx.GraphModule,
         for n in reversed(list(gm.graph.nodes)):
             if n in candidates and not n.users:
                 gm.graph.erase_node(n)
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
+def _batch_shared_view(gm: torch.fx.GraphModule, mask: torch.fx.Node,
+                       order: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """A node computing ``mask[:1].clone().expand(mask.shape)``, inserted after ``mask``, where
+    ``mask`` is a constant whose batch entries (dimension 0) are all equal and which holds each
+    of them in memory; ``None`` otherwise (nothing inserted)."""
+    ancestry = _ancestors(mask, order)
+    if ancestry is None:
+        return None
+    try:
+        value = _evaluate(gm, ancestry)
+    except Exception as exc:  # an op that cannot run outside the graph: leave the mask
+        log.debug("attention mask %s not evaluated: %s", mask.name, exc)
+        return None
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
+            isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    if value.dim() < 1 or value.shape[0] < 2 or value.stride(0) == 0 or \
+            not torch.equal(value, value[:1].expand_as(value)):
+        return None
+    shape = list(value.shape)
+    graph = gm.graph
+    with graph.inserting_after(mask):
+        first = graph.call_function(torch.ops.aten.slice.Tensor, (mask, 0, 0, 1))
+    with graph.inserting_after(first):
+        owned = graph.call_function(torch.ops.aten.clone.default, (first,))
+    with graph.inserting_after(owned):
+        view = graph.call_function(torch.ops.aten.expand.default, (owned, shape))
+    traced = mask.meta.get("val")
+    if isinstance(traced, torch._subclasses.FakeTensor):
+        with traced.fake_mode:
+            first.meta["val"] = traced[:1]
+            owned.meta["val"] = first.meta["val"].clone()
+            view.meta["val"] = owned.meta["val"].expand(shape)
+    return view
+
+
+def share_constant_masks_over_batch(gm: torch.fx.GraphModule,
+                                    allowed: Callable[[torch.fx.Node], bool]) -> set[torch.fx.Node]:
+    """Pass each attention call that ``allowed(node)`` accepts a view of its mask's first batch
+    entry expanded over the batch, where the mask is a constant repeating one entry over the batch
+    (the same values, so the same computation: a mask of batch x 1 x queries x keys held once,
+    not once per sample); returns the calls changed (``gm`` recompiled when any did).
+
+    Under ``torch.export`` HuggingFace builds a sliding-window mask per sample (it cannot check
+    for packed sequences while tracing), where the eager model passes one sample's mask
+    expanded over the batch; the attention backward holds the mask, so the traced graph held
+    ``batch`` times its bytes through the backward.
+
+    Example:
+        >>> class Windowed(torch.nn.Module):
+        ...     def forward(self, q):
+        ...         i = torch.arange(q.shape[-2])
+        ...         mask = ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 2)).expand(q.shape[0], 1, -1, -1)
+        ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.clone())
+        >>> gm = torch.export.export(Windowed(), (torch.randn(3, 2, 4, 8),), strict=False).module()
+        >>> len(share_constant_masks_over_batch(gm, lambda node: True))
+        1
+        >>> q = torch.randn(3, 2, 4, 8)
+        >>> torch.equal(gm(q), Windowed()(q))
+        True
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    views: dict[torch.fx.Node, torch.fx.Node | None] = {}
+    changed: set[torch.fx.Node] = set()
+    for node in attention_nodes(gm):
+        named = named_arguments(node)
+        mask = named.get("attn_mask")
+        if not isinstance(mask, torch.fx.Node) or not allowed(node):
+            continue
+        if mask not in views:
+            views[mask] = _batch_shared_view(gm, mask, order)
+        view = views[mask]
+        if view is None:
+            continue
+        named["attn_mask"] = view
+        node.args = (named.pop("query"), named.pop("key"), named.pop("value"))
+        node.kwargs = named
+        changed.add(node)
+    if changed:
         gm.graph.lint()
         gm.recompile()
     return changed

@@ -38,7 +38,8 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
-from profiling.attention_masks import SDPA_ARGUMENTS, attention_nodes, drop_constant_masks, named_arguments
+from profiling.attention_masks import (SDPA_ARGUMENTS, attention_nodes, drop_constant_masks, named_arguments,
+                                       share_constant_masks_over_batch)
 from profiling.measure import StepInputs, preserved_state
 
 __all__ = ["EagerAttentionCall", "eager_attention_calls", "match_eager_attention"]
@@ -59,6 +60,8 @@ class EagerAttentionCall:
     is_causal: bool
     enable_gqa: bool
     key_shape: tuple[int, ...]
+    #: the mask is one sample's expanded over a batch of several (stride 0 in dimension 0)
+    mask_shared_over_batch: bool = False
 
 
 class _EnoughCalls(Exception):
@@ -76,11 +79,13 @@ class _AttentionRecorder(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             named = dict(zip(SDPA_ARGUMENTS, args))
             named.update(kwargs)
-            key = named.get("key")
+            key, mask = named.get("key"), named.get("attn_mask")
             self.calls.append(EagerAttentionCall(
-                has_mask=named.get("attn_mask") is not None, is_causal=bool(named.get("is_causal")),
+                has_mask=mask is not None, is_causal=bool(named.get("is_causal")),
                 enable_gqa=bool(named.get("enable_gqa")),
-                key_shape=tuple(key.shape) if isinstance(key, torch.Tensor) else ()))
+                key_shape=tuple(key.shape) if isinstance(key, torch.Tensor) else (),
+                mask_shared_over_batch=isinstance(mask, torch.Tensor) and mask.dim() >= 1 and mask.shape[0] > 1
+                and mask.stride(0) == 0))
             if self.stop_after is not None and len(self.calls) >= self.stop_after:
                 raise _EnoughCalls
         return func(*args, **kwargs)
@@ -99,7 +104,7 @@ def eager_attention_calls(model: torch.nn.Module, example_inputs: Any,
         ...     def forward(self, q):
         ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         >>> eager_attention_calls(Attention(), (torch.randn(1, 1, 3, 4),))
-        [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4))]
+        [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4), mask_shared_over_batch=False)]
     """
     inputs = StepInputs.from_example(example_inputs)
     recorder = _AttentionRecorder(stop_after)
@@ -180,7 +185,8 @@ def _erase_unused(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
 def match_eager_attention(gm: torch.fx.GraphModule, model: torch.nn.Module, example_inputs: Any) -> int:
     """Rewrite ``gm``'s attention calls into the calls the eager ``model`` makes on
     ``example_inputs``: a constant causal or all-visible mask dropped where eager passes none,
-    repeated key/value heads replaced by ``enable_gqa=True`` where eager uses it. Returns how
+    repeated key/value heads replaced by ``enable_gqa=True`` where eager uses it, a constant mask
+    repeated per sample held once where eager expands one sample's mask over the batch. Returns how
     many calls changed. The eager forward runs only when ``gm`` has attention, and only up to
     the call that pairs with the graph's last; when eager makes fewer calls than the graph,
     nothing changes.
@@ -199,6 +205,7 @@ def match_eager_attention(gm: torch.fx.GraphModule, model: torch.nn.Module, exam
     changed = {node for node, repeated in repeats.items() if repeated}
     changed |= drop_constant_masks(
         gm, lambda node, causal: not eager[node].has_mask and eager[node].is_causal == causal)
+    changed |= share_constant_masks_over_batch(gm, lambda node: eager[node].mask_shared_over_batch)
     if changed:
         gm.graph.lint()
         gm.recompile()

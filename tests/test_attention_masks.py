@@ -118,3 +118,50 @@ def test_the_eager_forward_stops_at_the_graphs_last_attention_call():
     assert [c.is_causal for c in stopped] == [True, True] and model.head_calls == 0
     whole = eager_attention_calls(model, (q,))
     assert whole == stopped and model.head_calls == 1
+
+
+def _mistral(batch: int = 3, seq_len: int = 32):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8, use_cache=False,
+                           attn_implementation="sdpa", max_position_embeddings=seq_len)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).train()
+    ids = torch.randint(0, 64, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_sliding_window_mask_is_held_once_over_the_batch_as_eager_holds_it_and_trains_bit_for_bit():
+    model, example = _mistral()
+    gm = trace_module(model, example)
+    calls = _attention_calls(gm)
+    assert len(calls) == 2
+    for call in calls:  # one sample's mask, copied once, expanded over the batch of 3
+        mask = _mask_of(call)
+        assert mask.target is torch.ops.aten.expand.default
+        assert mask.args[0].target is torch.ops.aten.clone.default
+        assert tuple(mask.args[0].meta["val"].shape)[0] == 1 and tuple(mask.meta["val"].shape)[0] == 3
+    results = []
+    for module in (model, gm):
+        loss = loss_of(module(**example))
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    (eager_loss, eager_grads), (traced_loss, traced_grads) = results
+    assert torch.equal(eager_loss, traced_loss)
+    assert all(torch.equal(eager_grads[k], traced_grads[k]) for k in eager_grads)
+
+
+def test_a_mask_that_differs_between_samples_is_not_shared():
+    from profiling.attention_masks import share_constant_masks_over_batch
+
+    class PerSample(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            i = torch.arange(q.shape[-2])
+            window = torch.arange(q.shape[0])[:, None, None, None] + 1  # sample b sees b + 1 keys back
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    gm = torch.export.export(PerSample(), (torch.randn(3, 2, 4, 8),), strict=False).module()
+    assert share_constant_masks_over_batch(gm, lambda node: True) == set()
