@@ -376,6 +376,8 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
                        f"(--simplify-attention-masks): another kernel, other rounding and dropout stream",)
     elif method == "export":
         masks = match_eager_attention(gm, model, example_inputs)
+    if method == "export":
+        _drop_metadata_asserts(gm)
     gm.meta["computation_changes"] = changes
     log.info("captured %s with %s: %d nodes%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
@@ -383,6 +385,22 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
              f", {masks} attention calls {'simplified' if simplify_attention_masks else 'made as the eager model makes them'}"
              if masks else "")
     return gm
+
+
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
+    """Erase the ``aten._assert_tensor_metadata`` checks export puts after each ``Tensor.to``
+    (dtype and device as traced); returns how many. They compute nothing, and a step runs only
+    on inputs of the signature it was captured for (another signature is captured anew), but
+    each is a dispatched call per step: on a 4-layer Llama, 18 of them made the captured step
+    about 5 % slower than without (docs/tuning.md#metadata-asserts)."""
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and not n.users
+               and n.target is torch.ops.aten._assert_tensor_metadata.default]
+    for node in asserts:
+        gm.graph.erase_node(node)
+    if asserts:
+        gm.recompile()
+    log.debug("captured graph: %d tensor-metadata checks erased", len(asserts))
+    return len(asserts)
 
 
 def _eval_mode_ops(gm: torch.fx.GraphModule) -> list[str]:
