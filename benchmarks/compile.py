@@ -34,6 +34,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,10 +209,13 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.1f} MiB"
 
 
-def markdown(results: dict[str, tuple[list[Row], dict[str, Any]]], repeats: int, wall_s: float) -> str:
+def markdown(results: dict[str, tuple[list[Row], dict[str, Any]]], repeats: int, wall_s: float,
+             warm_cache: bool = False) -> str:
+    cache = "Inductor's on-disk cache reused (--warm-cache)" if warm_cache else "a fresh Inductor cache (first compiles)"
     lines = [
         f"Machine: {platform.machine()} CPU ({os.cpu_count()} cores, shared), {torch.get_num_threads()} thread; "
-        f"torch {torch.__version__}, Inductor; {repeats} interleaved timing repeats; wall time {wall_s / 60:.1f} min.",
+        f"torch {torch.__version__}, Inductor, {cache}; {repeats} interleaved timing repeats; "
+        f"wall time {wall_s / 60:.1f} min.",
         "",
     ]
     for name, (rows, info) in results.items():
@@ -259,15 +263,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="reuse Inductor's on-disk cache (default: a fresh one, so compile times are a first compile's)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     add_docs_argument(parser)
     args = parser.parse_args(argv)
     benchmark_logging()
+    if not args.warm_cache:  # read by Inductor at each compile
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64
     started = time.perf_counter()
     results = {name: run_model(name, args.batch, args.seq_len, args.repeats) for name in args.models}
-    text = markdown(results, args.repeats, time.perf_counter() - started)
+    text = markdown(results, args.repeats, time.perf_counter() - started, args.warm_cache)
     publish_table(text, args.out, "compile.md", {"name": "compile", "title": "Plans that compile",
                                                    "about": DOC_ABOUT} if args.docs else None)
     return 0
