@@ -16,8 +16,8 @@ the earlier on a tie:
 
 Where none fits, :class:`InfeasibleBudgetError` names the smallest peak the recompute plans and
 these offloads reach. Where ``max_solve_s`` is spent before the step starts and a plan of
-recompute fits, that plan is returned without offloads (the step runs in about a second on a
-24-layer GPT-2 profile); where none fits, the step runs regardless, as the only way to a plan.
+recompute fits, that plan is returned without offloads; where none fits, the step runs
+regardless, as the only way to a plan.
 
 Example:
     >>> from planner.core.costgraph import CostGraph, CostNode, Storage
