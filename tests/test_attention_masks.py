@@ -21,6 +21,21 @@ def _mask_of(node: torch.fx.Node):
     return node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
 
 
+def _assert_trains_bit_for_bit(model: torch.nn.Module, gm: torch.fx.GraphModule, example: dict) -> None:
+    """One training step of ``model`` and of its captured ``gm`` from one seed: the same loss and
+    every gradient ``torch.equal``."""
+    results = []
+    for module in (model, gm):
+        torch.manual_seed(7)
+        loss = loss_of(module(**example))
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    (eager_loss, eager_grads), (traced_loss, traced_grads) = results
+    assert torch.equal(eager_loss, traced_loss)
+    assert all(torch.equal(eager_grads[k], traced_grads[k]) for k in eager_grads)
+
+
 class ConstantMask(torch.nn.Module):
     """Attention with a mask built from ``arange`` only: ``kind`` picks its pattern."""
 
@@ -69,16 +84,7 @@ def test_hf_models_lose_their_constant_masks_and_train_bit_for_bit(build, causal
     calls = _attention_calls(gm)
     assert len(calls) == 2
     assert all(_mask_of(c) is None and c.kwargs["is_causal"] is causal for c in calls)
-    results = []
-    for module in (model, gm):
-        torch.manual_seed(7)
-        loss = loss_of(module(**example))
-        loss.backward()
-        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
-        model.zero_grad(set_to_none=True)
-    (eager_loss, eager_grads), (traced_loss, traced_grads) = results
-    assert torch.equal(eager_loss, traced_loss)
-    assert all(torch.equal(eager_grads[k], traced_grads[k]) for k in eager_grads)
+    _assert_trains_bit_for_bit(model, gm, example)
 
 
 def test_a_padding_mask_from_the_inputs_is_kept():
@@ -142,15 +148,7 @@ def test_a_sliding_window_mask_is_held_once_over_the_batch_as_eager_holds_it_and
         assert mask.target is torch.ops.aten.expand.default
         assert mask.args[0].target is torch.ops.aten.clone.default
         assert tuple(mask.args[0].meta["val"].shape)[0] == 1 and tuple(mask.meta["val"].shape)[0] == 3
-    results = []
-    for module in (model, gm):
-        loss = loss_of(module(**example))
-        loss.backward()
-        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
-        model.zero_grad(set_to_none=True)
-    (eager_loss, eager_grads), (traced_loss, traced_grads) = results
-    assert torch.equal(eager_loss, traced_loss)
-    assert all(torch.equal(eager_grads[k], traced_grads[k]) for k in eager_grads)
+    _assert_trains_bit_for_bit(model, gm, example)
 
 
 def test_a_mask_that_differs_between_samples_is_not_shared():
