@@ -88,6 +88,20 @@ def _evaluate(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> Any:
     return values[nodes[-1]]
 
 
+def _constant_value(gm: torch.fx.GraphModule, ancestry: list[torch.fx.Node]) -> torch.Tensor | None:
+    """The real tensor ``ancestry`` (its last node) computes, or ``None`` where it cannot be
+    evaluated outside the graph or is not a real tensor (meta, fake)."""
+    try:
+        value = _evaluate(gm, ancestry)
+    except Exception as exc:  # an op that cannot run outside the graph: leave the mask
+        log.debug("attention mask %s not evaluated: %s", ancestry[-1].name, exc)
+        return None
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
+            isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    return value
+
+
 def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
     """Where the mask lets a query see a key, or ``None`` for a float mask that is not made of
     0 (attend) and -inf (masked) alone."""
@@ -110,13 +124,8 @@ def _causal_if_constant(gm: torch.fx.GraphModule, ancestry: list[torch.fx.Node],
                         kv_len: int) -> bool | None:
     """Evaluate the mask computed by ``ancestry`` (its last node): ``False`` when it lets every
     query see every key, ``True`` when it is exactly the causal mask, ``None`` otherwise."""
-    try:
-        value = _evaluate(gm, ancestry)
-    except Exception as exc:  # an op that cannot run outside the graph: leave the mask
-        log.debug("attention mask %s not evaluated: %s", ancestry[-1].name, exc)
-        return None
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
-            isinstance(value, torch._subclasses.FakeTensor):
+    value = _constant_value(gm, ancestry)
+    if value is None:
         return None
     allowed = _allowed(value)
     if allowed is None:
@@ -204,13 +213,8 @@ def _batch_shared_view(gm: torch.fx.GraphModule, mask: torch.fx.Node,
     ancestry = _ancestors(mask, order)
     if ancestry is None:
         return None
-    try:
-        value = _evaluate(gm, ancestry)
-    except Exception as exc:  # an op that cannot run outside the graph: leave the mask
-        log.debug("attention mask %s not evaluated: %s", mask.name, exc)
-        return None
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta" or \
-            isinstance(value, torch._subclasses.FakeTensor):
+    value = _constant_value(gm, ancestry)
+    if value is None:
         return None
     if value.dim() < 1 or value.shape[0] < 2 or value.stride(0) == 0 or \
             not torch.equal(value, value[:1].expand_as(value)):
