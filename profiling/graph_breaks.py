@@ -72,6 +72,10 @@ class OpRecord:
     in_loss: bool
     saved: list[int] = field(default_factory=list)
     saved_own_output: bool = False
+    #: ran with grad disabled inside a grad-enabled step: an op of a custom Function's forward
+    grad_disabled: bool = False
+    #: bytes a custom Function whose forward ended with this op saved after it returned
+    function_saved_bytes: int = 0
     forward_peak_bytes: int = 0
     backward_peak_bytes: int = 0
     time_ms: list[float] = field(default_factory=list)
@@ -145,7 +149,7 @@ class _Recorder(TorchDispatchMode):
             requires_grad=False,
             is_random=torch.Tag.nondeterministic_seeded in func.tags, module=self.module_stack[-1],
             flops=int(self.counter.get_total_flops() - flops_before), in_loss=self.in_loss, time_ms=[elapsed_ms],
-            saved=self.pending_saves)
+            saved=self.pending_saves, grad_disabled=not torch.is_grad_enabled())
         self.pending_saves = []
         self.last_outputs = out_leaves
         self.outputs_of.append(out_leaves)
@@ -168,6 +172,13 @@ class _Recorder(TorchDispatchMode):
             last.saved_own_output = True
         else:
             self.pending_saves.append(key)
+            if last is not None and last.grad_disabled:
+                # a custom Function saving after its forward's ops (which ran with grad disabled):
+                # the save is the next op's, as the rewrite sees it, but the Function's backward
+                # (this op's, the one that made its output) still reads it. After an op of a
+                # no_grad block this is the next op's input, and the op, with no backward, never
+                # counts it.
+                last.function_saved_bytes += self.bytes_of[key]
         return t
 
 
@@ -247,7 +258,7 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
     for record in first.ops:
         if not record.in_loss:
             record.forward_peak_bytes = forward_peaks.get(record.index, 0)
-            record.backward_peak_bytes = backward_peaks.get(record.index, 0)
+            record.backward_peak_bytes = backward_peaks.get(record.index, 0) + record.function_saved_bytes
     graph = _cost_graph(first, persistent, step, step_ms, peak_bytes)
 
     return calibrated(graph)

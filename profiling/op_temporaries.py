@@ -36,26 +36,45 @@ _BACKWARD = "autograd::engine::evaluate_function:"
 
 
 class _Labelled(TorchDispatchMode):
-    """Wraps each counted op of the forward in a profiler range and notes its sequence numbers."""
+    """Wraps each counted op of the forward in a profiler range and notes its sequence numbers.
+
+    A custom ``autograd.Function`` makes its autograd node before its forward runs, and its
+    forward's ops run with grad disabled (they make no node of their own): the node that
+    appears in the window of such an op belongs to the Function, whose backward runs when the
+    gradient reaches the Function's output, the output of its last op. Its window is given to
+    that op (the last of the grad-disabled run)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
         self.sequences: list[tuple[int, int, int]] = []
         self._since = int(torch._C._autograd._get_sequence_nr())
+        self._function: tuple[int, int] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if str(func) in UNCOUNTED_OPS:
             return func(*args, **kwargs)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self.close_function()
         index = self.count
         self.count += 1
         with torch.profiler.record_function(f"{_PREFIX}{index}"):
             out = func(*args, **kwargs)
         now = int(torch._C._autograd._get_sequence_nr())
-        self.sequences.append((self._since, now, index))
+        if not grad_enabled and now > self._since and self._function is None:
+            self._function = (self._since, now)
+        else:
+            self.sequences.append((self._since, now, index))
         self._since = now
         return out
+
+    def close_function(self) -> None:
+        """Give a custom Function's node to the last op its forward ran."""
+        if self._function is not None:
+            self.sequences.append((*self._function, max(self.count - 1, 0)))
+            self._function = None
 
 
 def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
@@ -65,6 +84,7 @@ def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
     with preserved_state(model), memory_profile() as prof:
         with labels:
             output = model(*inputs.args, **inputs.kwargs)
+        labels.close_function()
         loss = step.loss(output)
         if not step.output_held:
             output = None
@@ -77,6 +97,7 @@ def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
     for event in events:
         if event.name.startswith(_PREFIX):
             forward[int(event.name[len(_PREFIX):])] = peak_in(event.start_time_ns, event.end_time_ns)
+    labels.sequences.sort()
     starts = [lo for lo, _, _ in labels.sequences]
     windows: dict[int, tuple[int, int]] = {}
     for event in events:

@@ -34,11 +34,13 @@ class ReplayFacts:
 
     ``persistent``: storages held for the whole step (parameters, buffers, inputs).
     ``value_storages``: each node's output storages that are not persistent, by name.
-    ``last_use``: the last node position that produces or reads each such storage.
+    ``last_use``: the last node position that produces or reads each such storage, or saves it
+    after an earlier node made it (a custom Function saves its input after its forward's ops).
     ``returned``: the storages the caller holds through the backward (``held_output_names``).
     ``compute_rank``: each compute node's position among the compute nodes, by node position.
     ``made``: what each node allocates in the forward (outputs, then saved storages; not
-    persistent, each once). ``lives_on``: those of ``made`` a later node reads or the module
+    persistent, each once). ``first_made``: the first node position whose ``made`` holds each
+    storage. ``lives_on``: those of ``made`` a later node reads or the module
     returns. ``saved``: what each node saves for backward (not persistent). ``forward_frees``:
     the storages whose last reader the node is (not returned). ``grad_key``: each node's
     gradient buffer (tied weights share one). ``differentiable``: the nodes whose outputs
@@ -52,6 +54,7 @@ class ReplayFacts:
     returned: frozenset[int]
     compute_rank: dict[int, int]
     made: tuple[tuple[int, ...], ...]
+    first_made: dict[int, int]
     lives_on: tuple[frozenset[int], ...]
     saved: tuple[tuple[int, ...], ...]
     forward_frees: tuple[tuple[int, ...], ...]
@@ -66,12 +69,21 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
     sizes = graph.storage_by_key
     persistent = frozenset(k for k, s in sizes.items() if s.persistent)
     value_storages = {n.name: tuple(k for k in n.output_storages if k not in persistent) for n in nodes}
+    made = tuple(tuple(dict.fromkeys(k for k in (*n.output_storages, *n.saved_storages) if k not in persistent))
+                 for n in nodes)
+    first_made: dict[int, int] = {}
+    for i, keys in enumerate(made):
+        for k in keys:
+            first_made.setdefault(k, i)
     last_use: dict[int, int] = {}
     for i, node in enumerate(nodes):
         for k in value_storages[node.name]:
             last_use[k] = max(last_use.get(k, i), i)
         for name in node.input_names:
             for k in value_storages[name]:
+                last_use[k] = max(last_use.get(k, i), i)
+        for k in node.saved_storages:  # saved after an earlier node made it (a Function's input): lives to then
+            if first_made.get(k, i) < i:
                 last_use[k] = max(last_use.get(k, i), i)
     # outputs the caller drops live until the forward ends (the loss is taken), not longer
     dropped = () if graph.output_held else tuple(dict.fromkeys(
@@ -80,13 +92,12 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
         last_use[k] = len(nodes) - 1
     returned = frozenset(k for name in graph.held_output_names for k in value_storages[name])
     compute_positions = [i for i, n in enumerate(nodes) if n.kind == "compute"]
-    made = tuple(tuple(dict.fromkeys(k for k in (*n.output_storages, *n.saved_storages) if k not in persistent))
-                 for n in nodes)
     lives_on = tuple(frozenset(k for k in made[i] if last_use.get(k, i) > i or k in returned)
                      for i in range(len(nodes)))
     saved = tuple(tuple(dict.fromkeys(k for k in n.saved_storages if k not in persistent)) for n in nodes)
     forward_frees = tuple(
         tuple(k for k in dict.fromkeys((*(k for name in n.input_names for k in value_storages[name]),
+                                        *(k for k in n.saved_storages if first_made.get(k, i) < i),
                                         *(dropped if i == len(nodes) - 1 else ())))
               if last_use.get(k) == i and k not in returned)
         for i, n in enumerate(nodes))
@@ -99,5 +110,5 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
               for name in dict.fromkeys(n.input_names) if name in differentiable)
         for n in nodes)
     return ReplayFacts(persistent, value_storages, last_use, returned,
-                       {pos: r for r, pos in enumerate(compute_positions)}, made, lives_on, saved, forward_frees,
+                       {pos: r for r, pos in enumerate(compute_positions)}, made, first_made, lives_on, saved, forward_frees,
                        grad_key, differentiable, input_grads)

@@ -278,7 +278,10 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
     seg_of: dict[int, int] = {i: s for s, idx in enumerate(seg_indices) for i in idx}
     value_storages = facts.value_storages
 
-    # Storages each segment keeps as inputs: read inside, produced before it.
+    # Storages each segment keeps as inputs: read inside, produced before it; and saved inside,
+    # produced outside (a custom autograd Function's saves land on the op after its forward:
+    # the range holds them as the tensors they are, not as handles it could replay).
+    first_made = facts.first_made
     seg_inputs: list[set[int]] = []
     for idx in seg_indices:
         inside = {nodes[i].name for i in idx}
@@ -287,6 +290,7 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
             for name in nodes[i].input_names:
                 if name not in inside:
                     keep.update(value_storages[name])
+            keep.update(k for k in facts.saved[i] if first_made[k] < idx[0])
         seg_inputs.append(keep)
 
     # ---- forward ----
