@@ -48,7 +48,7 @@ from profiling.capture_guards import (custom_functions_recorded, partial_graph_k
 from profiling.eager_attention import match_eager_attention
 from profiling.measure import StepInputs
 
-__all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
+__all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", "merge_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
            "increment_buffer", "RUN_ONCE_OPS", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,42 @@ def split_batch_norm_updates(gm: torch.fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def merge_batch_norm_updates(gm: torch.fx.GraphModule, in_segments: frozenset[str]) -> int:
+    """Undo :func:`split_batch_norm_updates` for every BatchNorm whose nodes ``in_segments``
+    does not name: its ``batch_norm`` takes its running statistics back and updates them itself, one
+    kernel over the activations instead of two. A split costs a pass over the BatchNorm's input
+    that only a recomputed segment needs (docs/tuning.md#batch-norm-merge).
+
+    Returns how many were merged; ``gm`` is changed in place, not recompiled.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(4).train()
+        >>> gm = torch.export.export(bn, (torch.randn(8, 4),), strict=False).module()
+        >>> split_batch_norm_updates(gm)
+        1
+        >>> merge_batch_norm_updates(gm, frozenset())
+        1
+        >>> sum(n.target is update_running_stats for n in gm.graph.nodes)
+        0
+    """
+    merged = 0
+    for update in list(gm.graph.nodes):
+        if update.op != "call_function" or update.target is not update_running_stats or update.name in in_segments:
+            continue
+        x, running_mean, running_var, momentum = update.args
+        norm = update.next
+        if (norm.op != "call_function" or norm.target is not torch.ops.aten.batch_norm.default
+                or norm.name in in_segments or norm.args[0] is not x or norm.args[3] is not None
+                or norm.args[4] is not None or norm.args[6] != momentum):
+            continue
+        args = list(norm.args)
+        args[3], args[4] = running_mean, running_var
+        norm.args = tuple(args)
+        gm.graph.erase_node(update)
+        merged += 1
+    return merged
 
 
 def _fresh_output(node: torch.fx.Node) -> bool:

@@ -174,15 +174,17 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
     def _key(self, inputs: StepInputs, grads_held: bool | None = None) -> tuple[Any, ...]:
         """What a plan depends on: input signature, autocast state, the submodules in eval mode
         (traced as such) and whether parameter gradients already exist."""
-        if grads_held is None:
-            grads_held = any(p.grad is not None for p in self.parameters())
-        in_eval = tuple(name for name, m in self._named_submodules() if not m.training)
+        submodules = self._named_submodules()
+        if grads_held is None:  # read each module's own parameters: fully_shard may have replaced them
+            grads_held = any(p is not None and p.grad is not None
+                             for _, m in submodules for p in m._parameters.values())
+        in_eval = tuple(name for name, m in submodules if not m.training)
         return (input_signature(inputs), autocast_state(), in_eval, grads_held)
 
     def _named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
         """``self.original.named_modules()`` as first walked (a submodule added later is not in
-        the captured graph either): the walk costs about a millisecond a step on a model of a
-        few hundred submodules."""
+        the captured graph either): the walk, and ``parameters()``'s, cost about a millisecond a
+        step on a model of a few hundred submodules."""
         cached = self.__dict__.get("_submodules")
         if cached is None:
             cached = list(self.original.named_modules())

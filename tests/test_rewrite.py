@@ -229,3 +229,35 @@ def test_kept_linear_on_3d_input_holds_its_input_as_the_replay_predicts():
     # without the recorded views the replay would under-predict (7.09 MB): a plan over budget
     blind = dataclasses.replace(graph, nodes=tuple(dataclasses.replace(n, viewed_storages=()) for n in graph.nodes))
     assert simulate(blind, [segment]).peak_bytes < measured
+
+
+def test_batch_norms_outside_every_segment_update_their_statistics_in_their_own_kernel():
+    """Capture splits each training BatchNorm's running-statistics update out so a recomputed
+    segment can hold it; the rewrite merges it back for every BatchNorm no segment holds (one
+    pass over the activations, not two). Buffers and gradients stay bit for bit."""
+    from planner.core.plan import Plan, Segment
+    from profiling.trace import trace_module, update_running_stats
+    from rewrite.segments import apply_plan
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+              for _ in range(3)]
+    model = torch.nn.Sequential(*blocks).train()
+    x = torch.randn(2, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    gm = trace_module(model, (x,))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(n.target is update_running_stats for n in calls) == 3
+    norms = [i for i, n in enumerate(calls) if n.target is torch.ops.aten.batch_norm.default]
+    first_block = tuple(n.name for n in calls[:norms[0] + 2])   # conv, the update, batch_norm, relu
+    plan = Plan(1, 1, 1, (Segment(first_block, 0.0, 0),), 0.0, 0.0, 0, "hand", 0.0)
+    rewritten = apply_plan(gm, plan)
+    assert sum(n.target is update_running_stats for n in rewritten.graph.nodes) == 0   # two merged
+    segment = rewritten.checkpoint_segment_0.graph_module
+    assert sum(n.target is update_running_stats for n in segment.graph.nodes) == 1     # the held one kept
+    for _ in range(2):
+        for m in (rewritten, reference):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(rewritten.buffers(), reference.buffers()))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(rewritten.parameters(), reference.parameters()))
