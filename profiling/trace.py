@@ -46,6 +46,7 @@ from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.capture_guards import (custom_functions_recorded, partial_graph_kept_off_stderr,
                                       training_step_without_kv_cache)
 from profiling.eager_attention import match_eager_attention
+from profiling.eager_grouped_mm import match_eager_grouped_mm
 from profiling.measure import StepInputs
 
 __all__ = ["trace_module", "prepare_saved_program", "split_batch_norm_updates", "merge_batch_norm_updates", "functionalize_inplace_activations", "update_running_stats",
@@ -414,6 +415,7 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         masks = match_eager_attention(gm, model, example_inputs)
     if method == "export":
         _drop_metadata_asserts(gm)
+        match_eager_grouped_mm(gm, model, example_inputs)
     gm.meta["computation_changes"] = changes
     log.info("captured %s with %s: %d nodes%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
