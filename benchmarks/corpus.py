@@ -421,7 +421,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true",
                         help="plan at every-layer's peak only, one profiling timing pass, 3 timing repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved timing repeats (default 5; quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved timing repeats (default 15; quick 3)")
     parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (1: steadier timings)")
     parser.add_argument("--output-held", action="store_true",
                         help="plan and measure the loop that holds the output through the backward "
@@ -435,7 +435,7 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device is available")
     torch.set_num_threads(args.threads)
     names = args.families or list(FAMILIES)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 15)
     targets = TARGETS[:1] if args.quick else TARGETS
     options: dict[str, Any] = dict(QUICK_OPTIONS) if args.quick else {}
     if args.output_held:
