@@ -45,7 +45,12 @@ class HeldOutputCheck:
         """Watch the non-scalar differentiable tensors of ``output`` (the loss is held by design)."""
         if self.warned or not torch.is_grad_enabled():
             return
-        leaves = tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+        if isinstance(output, torch.Tensor):
+            leaves: list[Any] = [output]
+        elif isinstance(output, dict) and all(isinstance(v, torch.Tensor) or v is None for v in output.values()):
+            leaves = list(output.values())  # a ModelOutput or a dict of tensors: no pytree walk every step
+        else:
+            leaves = tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.numel() > 1]
         if not tensors:
             return
