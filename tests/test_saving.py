@@ -159,3 +159,22 @@ def test_a_lightning_checkpoint_of_an_optimized_model_reloads(tmp_path, options)
     fresh = Lit(tied_gpt2())
     fresh.load_state_dict(torch.load(tmp_path / "last.ckpt", weights_only=False)["state_dict"])
     assert same_weights(fresh.model, opt.original) and not same_weights(fresh.model, tied_gpt2())
+
+
+def test_a_pickled_cost_graph_carries_no_derived_caches_and_one_that_does_drops_them_on_load():
+    """A saved optimized module holds its profiles; the replay facts cached on them are the
+    code's that computed them, so a graph is rebuilt without them by the code that loads it."""
+    import pickle
+
+    from planner.core.costgraph import CostGraph, CostNode, Storage
+    from planner.core.simulate import simulate
+
+    nodes = (CostNode("x", "placeholder", kind="input", output_storages=(0,)),
+             CostNode("y", "relu", input_names=("x",), output_storages=(1,), saved_storages=(1,), output_bytes=8,
+                      requires_grad=True))
+    graph = CostGraph(nodes, (Storage(0, 8, True), Storage(1, 8)), ("y",))
+    peak = simulate(graph).peak_bytes
+    assert "replay_facts" in vars(graph) and "replay_facts" not in vars(pickle.loads(pickle.dumps(graph)))
+    stale = CostGraph.__new__(CostGraph)
+    stale.__setstate__({**vars(graph), "replay_facts": object(), "index": {}})   # as an older pickle holds them
+    assert "replay_facts" not in vars(stale) and simulate(stale).peak_bytes == peak

@@ -130,6 +130,10 @@ class CostNode:
             raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
 
 
+#: the cached properties of :class:`CostGraph`, derived from its fields and never pickled
+_DERIVED = ("index", "storage_by_key", "replay_facts")
+
+
 @dataclass(frozen=True)
 class CostGraph:
     """A profiled training step: nodes in execution order plus the storages they touch.
@@ -177,6 +181,25 @@ class CostGraph:
         for name in (*self.output_names, *self.loss_names):
             if name not in known:
                 raise ValueError(f"output {name!r} is not a node of the graph")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields without the caches derived from them (:attr:`index`, :attr:`storage_by_key`,
+        :attr:`replay_facts`): a pickled graph (a saved optimized module holds its profiles) is
+        rebuilt by the code that loads it, whatever code computed the caches.
+
+        Example:
+            >>> import pickle
+            >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),),
+            ...               (Storage(0, 8, True),))
+            >>> _ = g.replay_facts
+            >>> "replay_facts" in vars(pickle.loads(pickle.dumps(g)))
+            False
+        """
+        return {k: v for k, v in self.__dict__.items() if k not in _DERIVED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a pickle written with the caches in it drops them here as well
+        self.__dict__.update({k: v for k, v in state.items() if k not in _DERIVED})
 
     @cached_property
     def index(self) -> dict[str, int]:
