@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["attention_nodes", "named_arguments", "drop_constant_masks", "share_constant_masks_over_batch",
+__all__ = ["attention_nodes", "named_arguments", "traced_shape", "drop_constant_masks", "share_constant_masks_over_batch",
            "simplify_constant_attention_masks"]
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
     return attend
 
 
-def _shape(node: Any) -> tuple[int, ...] | None:
+def traced_shape(node: Any) -> tuple[int, ...] | None:
+    """The shape of the tensor a graph node held while traced (``None`` for anything else)."""
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
@@ -178,7 +179,7 @@ def drop_constant_masks(gm: torch.fx.GraphModule,
     for node in attention_nodes(gm):
         named = named_arguments(node)
         mask = named.get("attn_mask")
-        query, key = _shape(named.get("query")), _shape(named.get("key"))
+        query, key = traced_shape(named.get("query")), traced_shape(named.get("key"))
         if not isinstance(mask, torch.fx.Node) or named.get("is_causal") or query is None or key is None:
             continue
         memo_key = (mask, query[-2], key[-2])

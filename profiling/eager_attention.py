@@ -39,10 +39,10 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 
 from profiling.attention_masks import (SDPA_ARGUMENTS, attention_nodes, drop_constant_masks, named_arguments,
-                                       share_constant_masks_over_batch)
+                                       share_constant_masks_over_batch, traced_shape)
 from profiling.measure import StepInputs, preserved_state
 
-__all__ = ["EagerAttentionCall", "eager_attention_calls", "match_eager_attention"]
+__all__ = ["EagerAttentionCall", "eager_attention_calls", "match_eager_attention", "run_eager_forward"]
 
 log = logging.getLogger(__name__)
 
@@ -106,22 +106,39 @@ def eager_attention_calls(model: torch.nn.Module, example_inputs: Any,
         >>> eager_attention_calls(Attention(), (torch.randn(1, 1, 3, 4),))
         [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4), mask_shared_over_batch=False)]
     """
-    inputs = StepInputs.from_example(example_inputs)
     recorder = _AttentionRecorder(stop_after)
+    if not run_eager_forward(model, example_inputs, recorder, "eager attention calls"):
+        return None
+    return recorder.calls
+
+
+def run_eager_forward(model: torch.nn.Module, example_inputs: Any, recorder: Any, what: str) -> bool:
+    """Run ``model``'s forward once under ``recorder`` (a torch function or dispatch mode), without
+    autograd and without side effects (RNG, buffers and gradients restored). False when the
+    forward fails (``what`` names the record in the debug log): it ran under export already, so a
+    failure here only means the record is unknown. A recorder ends the forward early by raising
+    :class:`_EnoughCalls`.
+
+    Example:
+        >>> from torch.utils._python_dispatch import TorchDispatchMode
+        >>> class Count(TorchDispatchMode):
+        ...     ops = 0
+        ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ...         Count.ops += 1
+        ...         return func(*args, **(kwargs or {}))
+        >>> run_eager_forward(torch.nn.Linear(2, 2), (torch.randn(1, 2),), Count(), "ops"), Count.ops > 0
+        (True, True)
+    """
+    inputs = StepInputs.from_example(example_inputs)
     try:
         with preserved_state(model), torch.no_grad(), recorder:
             model(*inputs.args, **inputs.kwargs)
     except _EnoughCalls:
         pass
-    except Exception as exc:  # it ran under export already; failing here only means "unknown"
-        log.debug("eager attention calls not recorded: %s", exc)
-        return None
-    return recorder.calls
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.debug("%s not recorded: %s", what, exc)
+        return False
+    return True
 
 
 def _unrepeated(node: Any, kv_shape: tuple[int, ...]) -> torch.fx.Node | None:
@@ -134,7 +151,7 @@ def _unrepeated(node: Any, kv_shape: tuple[int, ...]) -> torch.fx.Node | None:
     if not (isinstance(expand, torch.fx.Node) and expand.target is _aten.expand.default):
         return None
     batch, kv_heads, length, head_dim = kv_shape
-    expanded, repeated = _shape(expand), _shape(node)
+    expanded, repeated = traced_shape(expand), traced_shape(node)
     if expanded is None or repeated is None or len(expanded) != 5 or \
             (expanded[0], expanded[1], expanded[3], expanded[4]) != (batch, kv_heads, length, head_dim) or \
             repeated != (batch, kv_heads * expanded[2], length, head_dim):
@@ -144,13 +161,13 @@ def _unrepeated(node: Any, kv_shape: tuple[int, ...]) -> torch.fx.Node | None:
     while isinstance(current, torch.fx.Node) and current.op == "call_function":
         if current.target is _aten.unsqueeze.default and not unsqueezed and current.args[1] == 2:
             unsqueezed = True
-        elif current.target in _FULL_VIEWS and _shape(current) == _shape(current.args[0]) and \
+        elif current.target in _FULL_VIEWS and traced_shape(current) == traced_shape(current.args[0]) and \
                 (current.target is _aten.alias.default or (current.args[4:5] or (1,))[0] == 1):
             pass
         else:
             break
         current = current.args[0]
-        if unsqueezed and _shape(current) == kv_shape:
+        if unsqueezed and traced_shape(current) == kv_shape:
             return current
     return None
 

@@ -34,7 +34,8 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiling.measure import StepInputs, preserved_state
+from profiling.attention_masks import traced_shape
+from profiling.eager_attention import run_eager_forward
 
 __all__ = ["match_eager_grouped_mm"]
 
@@ -66,22 +67,6 @@ class _GroupedMMRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _eager_grouped_mm_shapes(model: torch.nn.Module, inputs: StepInputs) -> list[tuple[tuple[int, ...], ...]] | None:
-    recorder = _GroupedMMRecorder()
-    try:
-        with preserved_state(model), torch.no_grad(), recorder:
-            model(*inputs.args, **inputs.kwargs)
-    except Exception as exc:  # it ran under export already; failing here only means "unknown"
-        log.debug("eager grouped matmuls not recorded: %s", exc)
-        return None
-    return recorder.shapes
-
-
-def _value_shape(node: Any) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
 def match_eager_grouped_mm(gm: torch.fx.GraphModule, model: torch.nn.Module, example_inputs: Any) -> int:
     """Rewrite ``gm``'s ``transformers::grouped_mm_fallback`` calls into the ``aten._grouped_mm``
     calls the eager ``model`` makes, where both line up one for one (same count, same input and
@@ -92,7 +77,8 @@ def match_eager_grouped_mm(gm: torch.fx.GraphModule, model: torch.nn.Module, exa
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fallback]
     if not calls:
         return 0
-    eager = _eager_grouped_mm_shapes(model, StepInputs.from_example(example_inputs))
+    recorder = _GroupedMMRecorder()
+    eager = recorder.shapes if run_eager_forward(model, example_inputs, recorder, "eager grouped matmuls") else None
     if eager is None or len(eager) != len(calls):
         log.debug("grouped matmuls left as traced: %d in the graph, %s eagerly", len(calls),
                   "unknown" if eager is None else len(eager))
@@ -102,7 +88,7 @@ def match_eager_grouped_mm(gm: torch.fx.GraphModule, model: torch.nn.Module, exa
         arguments = dict(zip(("input", "weight", "offs"), node.args))
         arguments.update(node.kwargs)
         named.append(arguments)
-    if any(set(a) != {"input", "weight", "offs"} or (_value_shape(a["input"]), _value_shape(a["weight"])) != shapes
+    if any(set(a) != {"input", "weight", "offs"} or (traced_shape(a["input"]), traced_shape(a["weight"])) != shapes
            for a, shapes in zip(named, eager)):
         log.debug("grouped matmuls left as traced: their shapes differ from the eager calls'")
         return 0

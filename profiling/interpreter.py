@@ -34,7 +34,7 @@ from planner.core.errors import ProfileError
 from profiling.node_times import Timer, cpu_timer
 from profiling.progress import NodeProgress
 from profiling.temporaries import FakeAllocationTracker
-from profiling.trace import RUN_ONCE_OPS
+from profiling.batch_norm_updates import RUN_ONCE_OPS
 
 __all__ = ["ProfilingInterpreter", "DispatchSpy", "tensors_of", "step_timer"]
 
@@ -52,7 +52,7 @@ def _is_mutating(node: torch.fx.Node) -> bool:
     if schema is not None:
         return bool(schema.is_mutable)
     if node.op == "call_function" and node.is_impure():
-        return True  # e.g. profiling.trace.update_running_stats
+        return True  # e.g. profiling.batch_norm_updates.update_running_stats
     if node.op == "call_module":
         return str(node.target).startswith("_guards")
     return False
@@ -75,7 +75,7 @@ def _updates_running_stats(node: torch.fx.Node) -> bool:
     if not any(op in name for op in _RUNNING_STATS_OPS):
         return False
     if len(node.args) > 4 and node.args[3] is None and node.args[4] is None:
-        return False  # no running statistics: a pure op (see profiling.trace.split_batch_norm_updates)
+        return False  # no running statistics: a pure op (see profiling.batch_norm_updates.split_batch_norm_updates)
     training = [a for a in node.args if isinstance(a, bool)]
     return bool(training and training[0]) or node.kwargs.get("training", False) is True
 

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
-from profiling.trace import RUN_ONCE_OPS, merge_batch_norm_updates
+from profiling.batch_norm_updates import RUN_ONCE_OPS, merge_batch_norm_updates
 
 __all__ = ["apply_plan", "CheckpointedSegment", "checkpointed_call", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
 

@@ -236,7 +236,8 @@ def test_batch_norms_outside_every_segment_update_their_statistics_in_their_own_
     segment can hold it; the rewrite merges it back for every BatchNorm no segment holds (one
     pass over the activations, not two). Buffers and gradients stay bit for bit."""
     from planner.core.plan import Plan, Segment
-    from profiling.trace import trace_module, update_running_stats
+    from profiling.batch_norm_updates import update_running_stats
+    from profiling.trace import trace_module
     from rewrite.segments import apply_plan
 
     torch.manual_seed(0)
