@@ -101,18 +101,24 @@ def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, rep
                      step: TrainingStep = TrainingStep()) -> list[float]:
     """Median over ``repeats`` of each module's step time divided by ``modules[0]``'s.
 
-    Every repeat runs each module's step once, in order (interleaved), so slow phases of a shared
-    machine hit all modules alike. ``warmup`` untimed rounds run first. Gradients are cleared
-    before each step and after the last. ``step`` is the training step timed (a criterion
-    outside the model: ``TrainingStep(loss_fn=...)``).
+    Every repeat runs each module's step once (interleaved), so slow phases of a shared machine
+    hit all modules alike; repeat ``r`` starts at module ``r % len(modules)`` and goes round, so
+    no module always runs after the same neighbour (whose freed memory and cold caches the next
+    step inherits: docs/tuning.md#rotated-timing). ``warmup`` untimed rounds run first.
+    Gradients are cleared before each step and after the last. ``step`` is the training step
+    timed (a criterion outside the model: ``TrainingStep(loss_fn=...)``).
     """
     device = torch.device(device)
     for _ in range(warmup):
         for module in modules:
             step_seconds(module, inputs, device, step)
     ratios: list[list[float]] = [[] for _ in modules]
-    for _ in range(repeats):
-        times_s = [step_seconds(module, inputs, device, step) for module in modules]
+    count = len(modules)
+    for r in range(repeats):
+        times_s = [0.0] * count
+        for k in range(count):
+            i = (r + k) % count
+            times_s[i] = step_seconds(modules[i], inputs, device, step)
         for i, t in enumerate(times_s):
             ratios[i].append(t / times_s[0])
     for module in modules:

@@ -25,6 +25,7 @@ from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules, share_module_state
 from rewrite.held_output import HeldOutputCheck
+from rewrite.operator_calls import call_operators_directly
 from rewrite.saving import SavesAsTheModel
 from rewrite.segments import apply_plan, fresh_copy
 from rewrite.signature import (ForwardWithTheModelsSignature, autocast_state, describe_inputs, input_signature,
@@ -57,6 +58,9 @@ class PlannedVariant:
     graph_module: torch.fx.GraphModule
     plan: Plan
     cost_graph: CostGraph | None
+
+    def __post_init__(self) -> None:
+        call_operators_directly(self.graph_module)  # what runs each step: no Python frame per operator
 
 
 def _parameter_bytes(module: torch.nn.Module) -> int:
