@@ -5,8 +5,8 @@ and ``OpOverload.__call__``, a Python frame whose only work is to call the opera
 entry point (``OpOverload._op``). Eager PyTorch pays neither, and on a model of small kernels
 the difference is most of the captured graph's step-time gap to eager
 (docs/tuning.md#direct-operator-calls). :func:`call_operators_directly` gives a graph module
-(and every graph module inside it: the checkpointed segments) a forward that calls those entry
-points, bound once as globals.
+(and the graph modules in its module tree) a forward that calls those entry points, bound once
+as globals; :mod:`rewrite.segments` binds each checkpointed segment's graph as it makes it.
 
 The operators, their arguments and their order are FX's own code, so every kernel, rounding
 and random stream is the same. Under ``torch.compile`` the forward runs FX's code (Dynamo does

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.batch_norm_updates import RUN_ONCE_OPS, merge_batch_norm_updates
+from rewrite.operator_calls import call_operators_directly
 
 __all__ = ["apply_plan", "CheckpointedSegment", "checkpointed_call", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
 
@@ -185,7 +186,9 @@ def _replace_segment(
         if kept:
             sub.call_function(_leave_kept_node, (marker_target,))
     sub.output(tuple(env[n] for n in outputs))
-    segment = CheckpointedSegment(torch.fx.GraphModule(gm, sub, class_name=attr), kept_nodes)
+    segment_module = torch.fx.GraphModule(gm, sub, class_name=attr)
+    call_operators_directly(segment_module)  # runs twice a step: no Python frame per operator
+    segment = CheckpointedSegment(segment_module, kept_nodes)
     setattr(gm, attr, segment)
 
     last = members[-1]
