@@ -143,6 +143,10 @@ class BreakCheckpointedModule(SavesAsTheModel, torch.nn.Module):
         context lasts (one training call of the model: what this module's forward, and
         ``planner.enable``, run)."""
         regions, expected = self._regions_for(args, kwargs)
+        if not regions:  # nothing to checkpoint: no dispatch mode counting every op
+            self.last_runner = None
+            yield
+            return
         runner = RegionRunner(regions, expected)
         with runner:
             yield

@@ -54,6 +54,23 @@ def test_any_op_ranges_replay_bit_for_bit(name):
         assert sum(r.replayed_ops for r in planned.last_runner.opened) > 0  # the backward replayed ops
 
 
+def test_a_plan_without_ranges_runs_the_model_without_a_dispatch_mode():
+    """Nothing to checkpoint: the model runs as it is, with no mode counting its ops (the
+    captured-with-nothing-recomputed step pays nothing for the path)."""
+    model, (x,) = build("item_branch", width=16, tokens=64, layers=3)
+    depths = []
+    hook = model.register_forward_pre_hook(lambda *_: depths.append(torch._C._len_torch_dispatch_stack()))
+    try:
+        params = list(model.parameters())
+        reference = _step(model, params, x)
+        empty = BreakCheckpointedModule(model, None, ())
+        assert _same(reference, _step(empty, params, x)) and empty.last_runner is None
+        _step(BreakCheckpointedModule(model, None, ((0, 3),)), params, x)
+    finally:
+        hook.remove()
+    assert depths == [0, 0, 1]
+
+
 def test_a_range_recomputes_what_it_saved_and_frees_it_in_the_forward():
     model, (x,) = build("item_branch", width=32, tokens=512, layers=4)
     inputs = StepInputs.from_example((x,))
