@@ -6,7 +6,8 @@ For a HF GPT-2 and a Llama-style model (4 layers, width 256), every row is one t
 - ``compiled none``: ``torch.compile(model)``, nothing recomputed: the reference step (1.00x);
 - ``compiled every layer``: HF ``gradient_checkpointing_enable()`` (non-reentrant) then
   ``torch.compile``; its measured peak is the first budget;
-- at each budget (every layer's measured peak, and 50 % of compiled none's):
+- at each budget (80 % of compiled none's measured peak, where a few segments fit; every layer's
+  measured peak; 50 % of compiled none's):
   ``compile(optimize)``: ``torch.compile(optimize(model, budget))``, the eager plan compiled around
   its segments; ``optimize compile=True``: the plan honoured inside one compiled graph;
   ``compile budget f``: ``torch._functorch.config.activation_memory_budget = f``, the fraction
@@ -20,7 +21,7 @@ every plan compiled while checking plans, with the profile: ``optimize`` s). "sa
 whether the row's loss at one seed equals compiled none's bit for bit (dropout on: GPT-2's
 attention and residual dropout 0.1).
 
-    python benchmarks/compile.py --docs                # both models, about 20 min on 2 busy cores
+    python benchmarks/compile.py --docs                # both models, about 25 min on 2 cores
     python benchmarks/compile.py --models gpt2 --batch 2 --repeats 3
 """
 
@@ -137,7 +138,8 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[R
     rows.append(every)
     log.info("%s: compiled every layer %.1f MiB, %d graph breaks", name, every.peak_bytes / MIB, every.graph_breaks)
 
-    budgets = [("every layer's peak", every.peak_bytes), ("50% of compiled none", none.peak_bytes // 2)]
+    budgets = [("80% of compiled none", none.peak_bytes * 4 // 5), ("every layer's peak", every.peak_bytes),
+               ("50% of compiled none", none.peak_bytes // 2)]
     fraction_rows: list[Row] = []
     for fraction in MEMORY_BUDGET_FRACTIONS:
         row = Row(f"compile budget {fraction:g}")
@@ -243,8 +245,9 @@ DOC_ABOUT = """\
 ## How to read it
 
 Every row runs `model(**batch).loss.backward()` under `torch.compile` (Inductor, CPU). Budgets:
-the measured peak of HF `gradient_checkpointing_enable()` (non-reentrant) then `torch.compile`,
-and half the measured peak of `torch.compile(model)`. `compile(optimize)` is
+80 % of the measured peak of `torch.compile(model)` (a budget a few segments meet), the measured
+peak of HF `gradient_checkpointing_enable()` (non-reentrant) then `torch.compile`, and half the
+measured peak of `torch.compile(model)`. `compile(optimize)` is
 `torch.compile(optimize(model, budget))`: the eager plan, each segment a graph break run eagerly.
 `optimize compile=True` is the plan honoured inside one compiled graph, checked on the compiled
 step's measured peak; its compile time is the whole `optimize` call (profile, solves, and every plan
