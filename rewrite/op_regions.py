@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Sequence
@@ -58,12 +59,44 @@ BATCH_NORM_STAT_ARGS: dict[str, tuple[int, ...]] = {
 _PRODUCED, _EXTERNAL = "p", "e"
 
 
-def _written_positions(func: Any, n_args: int) -> set[int]:
+# The per-op facts below are read from the op's schema, a C++ object, on every op a range runs:
+# cached per op (and argument count), they cost a dictionary lookup.
+
+@functools.cache
+def _written_positions(func: Any, n_args: int) -> frozenset[int]:
     """Positional arguments ``func`` writes in place (by schema, and BatchNorm's statistics)."""
     written = {i for i, arg in enumerate(func._schema.arguments[:n_args])
                if arg.alias_info is not None and arg.alias_info.is_write}
     written.update(i for i in BATCH_NORM_STAT_ARGS.get(func._schema.name.split("::")[-1], ()) if i < n_args)
-    return written
+    return frozenset(written)
+
+
+@functools.cache
+def _written_keywords(func: Any) -> frozenset[str]:
+    """Names of the arguments ``func`` writes in place (an ``out=`` argument, passed by keyword)."""
+    return frozenset(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
+@functools.cache
+def _op_name(func: Any) -> str:
+    """``str(func)`` (``aten.mm.default``), formatted once per op."""
+    return str(func)
+
+
+#: argument types pytree keeps as one leaf (the common ones; any other goes through ``tree_flatten``)
+_ONE_LEAF = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _leaf_count(arg: Any) -> int:
+    """``len(tree_flatten(arg)[0])``, without pytree for a tensor or a scalar."""
+    if isinstance(arg, torch.Tensor) or type(arg) in _ONE_LEAF:
+        return 1
+    return len(tree_flatten(arg)[0])
+
+
+def _out_leaves(out: Any) -> list[Any]:
+    """``tree_flatten(out)[0]``, without pytree for a single tensor."""
+    return [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
 
 
 class _Handle:
@@ -125,17 +158,18 @@ class OpRegion:
         return entry is not None and entry[0]() is tensor
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
-               versions: list[int | None], snapshots: dict[int, torch.Tensor] | None = None) -> None:
+               versions: list[int | None], snapshots: dict[int, torch.Tensor] | None = None,
+               flat: tuple[list[Any], Any] | None = None) -> None:
         """Add one op that ran (``versions``: its tensor arguments' versions before it ran;
-        ``snapshots``: :meth:`snapshots` taken before it ran)."""
+        ``snapshots``: :meth:`snapshots` taken before it ran; ``flat``: ``tree_flatten((args,
+        kwargs))`` where the caller has it)."""
         snapshots = snapshots or {}
-        leaves, spec = tree_flatten((args, kwargs))
-        arg_of = [i for i, arg in enumerate(args) for _ in tree_flatten(arg)[0]]
+        leaves, spec = flat if flat is not None else tree_flatten((args, kwargs))
+        arg_of = [i for i, arg in enumerate(args) for _ in range(_leaf_count(arg))]
         arg_of += [-1] * (len(leaves) - len(arg_of))
         written_args = _written_positions(func, len(args))
-        if any(not isinstance(args[i], torch.Tensor) for i in written_args) or any(
-                a.alias_info is not None and a.alias_info.is_write and a.name in kwargs
-                for a in func._schema.arguments):
+        if any(not isinstance(args[i], torch.Tensor) for i in written_args) or (
+                kwargs and not _written_keywords(func).isdisjoint(kwargs)):
             self._hold(f"{func} writes a list or an out= argument in place")
         written = {position for position, i in enumerate(arg_of) if i in written_args}
         refs: list[Any] = []
@@ -164,8 +198,7 @@ class OpRegion:
                     self._read_versions.append((index, versions[position]))
         self.ops.append((func, refs, spec, written))
         op_index = len(self.ops) - 1
-        out_leaves, _ = tree_flatten(out)
-        for j, leaf in enumerate(out_leaves):
+        for j, leaf in enumerate(_out_leaves(out)):
             if isinstance(leaf, torch.Tensor):
                 self._produced[id(leaf)] = (weakref.ref(leaf), (op_index, j))
 
@@ -257,7 +290,7 @@ class OpRegion:
                 args, kwargs = tree_unflatten(leaves, spec)
                 out = func(*args, **kwargs)
                 self.replayed_ops += 1
-                for j, leaf in enumerate(tree_flatten(out)[0]):
+                for j, leaf in enumerate(_out_leaves(out)):
                     key = (i, j)
                     if isinstance(leaf, torch.Tensor) and (key in last_use and last_use[key] > i or key in self._needed):
                         values[key] = leaf
@@ -301,7 +334,8 @@ class RegionRunner(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if str(func) in UNCOUNTED_OPS:
+        name = _op_name(func)
+        if name in UNCOUNTED_OPS:
             out = func(*args, **kwargs)
             if self._open is not None and args:
                 self._open.alias(out, args[0])
@@ -310,7 +344,7 @@ class RegionRunner(TorchDispatchMode):
         self.op_count += 1
         if self._open is not None and index > self._open_end:
             self._finish()
-        matches = self.expected_ops is None or (index < len(self.expected_ops) and self.expected_ops[index] == str(func))
+        matches = self.expected_ops is None or (index < len(self.expected_ops) and self.expected_ops[index] == name)
         if not matches:
             self.mismatched += 1
             if self.diverged_at is None:
@@ -329,12 +363,12 @@ class RegionRunner(TorchDispatchMode):
         region = self._open
         if region is None:
             return func(*args, **kwargs)
-        leaves = tree_flatten((args, kwargs))[0]
+        flat = tree_flatten((args, kwargs))
         versions = [leaf._version if isinstance(leaf, torch.Tensor) and not leaf.is_inference() else None
-                    for leaf in leaves]
+                    for leaf in flat[0]]
         snapshots = region.snapshots(func, args)
         out = func(*args, **kwargs)
-        region.record(func, args, kwargs, out, versions, snapshots)
+        region.record(func, args, kwargs, out, versions, snapshots, flat)
         return out
 
     def _pack(self, tensor: torch.Tensor) -> Any:
