@@ -63,6 +63,25 @@ def test_step_time_ratios_are_relative_to_the_first_module() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_step_time_ratios_rotate_which_module_runs_first() -> None:
+    """Repeat r starts at module r % n: no module always runs after the same neighbour."""
+    order: list[int] = []
+
+    class Tagged(torch.nn.Linear):
+        def __init__(self, tag: int) -> None:
+            super().__init__(4, 4)
+            self.tag = tag
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            order.append(self.tag)
+            return super().forward(x)
+
+    ratios = step_time_ratios([Tagged(0), Tagged(1), Tagged(2)], StepInputs.from_example((torch.randn(2, 4),)),
+                              repeats=3, warmup=0)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert ratios[0] == 1.0
+
+
 def test_timed_segments_sees_each_segment_once_forward_and_once_in_the_backward() -> None:
     from recompute_time import timed_segments
 
