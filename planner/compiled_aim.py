@@ -7,7 +7,10 @@ fuse away), so the saving measured on the unoptimized step is no fixed allowance
 compiled and measured gives a pair (its eager prediction, its compiled measurement); the next
 eager target is read off the line through the last two pairs, and before any plan is measured,
 off the line through the unoptimized pair and the bytes held all step (which compile does not
-change). How well the line fits: docs/tuning.md#slope_range.
+change). How well the line fits: docs/tuning.md#slope_range. A compiled peak can jump between
+two plans (a plan a little lower in eager terms can compile much lower), so a target is also kept
+between the highest eager prediction that fitted and the lowest that did not
+(:func:`within_bracket`).
 
 Example:
     >>> pairs = [PeakPair(eager_predicted_bytes=200, compiled_measured_bytes=140)]
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PeakPair", "eager_target_bytes"]
+__all__ = ["PeakPair", "eager_target_bytes", "within_bracket"]
 
 #: Slopes (compiled bytes per eager byte) a line through two measured pairs may take. Outside
 #: it (two plans whose compiled peaks barely differ, or a floor the plans do not move) the next
@@ -63,3 +66,27 @@ def eager_target_bytes(pairs: Sequence[PeakPair], compiled_target_bytes: int, fi
     if slope is None:
         return last.eager_predicted_bytes
     return round(last.eager_predicted_bytes + (compiled_target_bytes - last.compiled_measured_bytes) / slope)
+
+
+def within_bracket(target_bytes: int, pairs: Sequence[PeakPair], room_bytes: int) -> int:
+    """``target_bytes`` where it lies strictly between the highest eager prediction whose compiled
+    step measured within ``room_bytes`` and the lowest one above it that measured over; otherwise
+    that bracket's midpoint. Without a measurement on both sides, ``target_bytes`` itself.
+
+    Example:
+        >>> pairs = [PeakPair(200, 150), PeakPair(160, 130), PeakPair(130, 90)]  # room 120
+        >>> within_bracket(170, pairs, room_bytes=120)    # above the lowest that measured over
+        145
+        >>> within_bracket(150, pairs, room_bytes=120)
+        150
+    """
+    fitted = [p.eager_predicted_bytes for p in pairs if p.compiled_measured_bytes <= room_bytes]
+    if not fitted:
+        return target_bytes
+    low = max(fitted)
+    over = [p.eager_predicted_bytes for p in pairs
+            if p.compiled_measured_bytes > room_bytes and p.eager_predicted_bytes > low]
+    if not over:
+        return target_bytes
+    high = min(over)
+    return target_bytes if low < target_bytes < high else (low + high) // 2

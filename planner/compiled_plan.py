@@ -12,8 +12,10 @@ temporaries) or elsewhere (the partitioner saves other tensors). :func:`plan_com
 3. compiles the chosen plan (its segments traced by Dynamo: :mod:`rewrite.compiled`) and
    measures the compiled step, as :mod:`planner.closed_loop` checks eager plans: above the room,
    or more than twice the margin below it, the graph is solved again for the eager peak read off
-   the plans measured so far (up to :data:`MAX_COMPILED_SOLVES` plans); the plan that measured
-   within the room and recomputes least is returned.
+   the plans measured so far, kept between the highest eager prediction that fitted and the
+   lowest that did not (up to :data:`MAX_COMPILED_SOLVES` plans; a solve giving a plan already
+   compiled ends the search); the plan that measured within the room and recomputes least is
+   returned.
 
 The plan returned has ``measured_peak_bytes`` (the compiled step's), ``compile_graph_breaks``
 and ``compile_s`` set. Each plan checked costs one compile.
@@ -34,7 +36,7 @@ import logging
 import time
 from typing import Any
 
-from planner.compiled_aim import PeakPair, eager_target_bytes
+from planner.compiled_aim import PeakPair, eager_target_bytes, within_bracket
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import COMPILE_BACKEND, check_budget_gb
@@ -49,9 +51,9 @@ __all__ = ["compile_backend_of", "plan_compiled"]
 
 log = logging.getLogger(__name__)
 
-#: Plans compiled and measured at most: the first, and solves again after a measured overshoot
-#: (or once with the room a plan left unused).
-MAX_COMPILED_SOLVES = 3
+#: Plans compiled and measured at most: the first, and solves again after a measured overshoot,
+#: or with the room a plan left unused (docs/tuning.md#max_compiled_solves).
+MAX_COMPILED_SOLVES = 5
 
 
 def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_loss: bool = False,
@@ -159,6 +161,7 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
     eager_bytes = eager_target_bytes(pairs, target_bytes, graph.persistent_bytes)
     best: tuple[Any, Plan] | None = None
     floor_tried = False
+    compiled_before: set[tuple[Any, ...]] = set()
     for attempt in range(MAX_COMPILED_SOLVES):
         try:
             solved = solve_for(eager_bytes)
@@ -174,6 +177,9 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
             floor_tried = True
             eager_bytes = floor_bytes
             solved = solve_for(eager_bytes)
+        if solved.segments in compiled_before:
+            break  # the solve gave a plan already compiled: nothing new to measure
+        compiled_before.add(solved.segments)
         module, plan = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None
@@ -182,7 +188,7 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
             best = module, plan
         if peak <= room_bytes and (not plan.segments or room_bytes - peak <= 2 * margin_bytes):
             break  # fits, with no more than twice the margin left unused
-        following = eager_target_bytes(pairs, target_bytes, graph.persistent_bytes)
+        following = within_bracket(eager_target_bytes(pairs, target_bytes, graph.persistent_bytes), pairs, room_bytes)
         if following == eager_bytes or attempt == MAX_COMPILED_SOLVES - 1:
             break
         log.log(logging.INFO if peak <= room_bytes else logging.WARNING,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.compiled_aim import SLOPE_RANGE, PeakPair, eager_target_bytes
+from planner.compiled_aim import SLOPE_RANGE, PeakPair, eager_target_bytes, within_bracket
 
 
 def test_first_target_is_on_the_line_through_the_held_bytes_and_the_unoptimized_pair() -> None:
@@ -46,3 +46,20 @@ def test_no_usable_line_keeps_the_last_target() -> None:
 def test_no_pairs_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one"):
         eager_target_bytes([], compiled_target_bytes=400, fixed_bytes=100)
+
+
+def test_a_target_outside_the_measured_bracket_is_its_midpoint() -> None:
+    # the plan predicted at 1000 compiled over the room of 500, the one at 700 far under it
+    pairs = [PeakPair(1100, 700), PeakPair(1000, 560), PeakPair(700, 380)]
+    assert within_bracket(1050, pairs, room_bytes=500) == 850  # above the lowest overshoot
+    assert within_bracket(650, pairs, room_bytes=500) == 850   # below the highest fit
+    assert within_bracket(900, pairs, room_bytes=500) == 900   # inside: the line's target stands
+
+
+def test_without_a_measurement_on_both_sides_the_target_stands() -> None:
+    over_only = [PeakPair(1100, 700), PeakPair(1000, 560)]
+    fit_only = [PeakPair(700, 380)]
+    assert within_bracket(1200, over_only, room_bytes=500) == 1200
+    assert within_bracket(300, fit_only, room_bytes=500) == 300
+    # a fit above every overshoot (compiled peaks need not rise with the eager one): no bracket
+    assert within_bracket(300, [PeakPair(900, 450), PeakPair(800, 520)], room_bytes=500) == 300
