@@ -37,7 +37,9 @@ class CaptureOptions:
                                          "eager step, for models with graph breaks) or modules (submodule calls, "
                                          "coarser)")
     timing_repeats: int = option(2, "warm training steps each node is timed in (more while they disagree)")
-    cache_dir: str | None = option(None, "a folder for profiles: another budget for the same model skips profiling")
+    cache_dir: str | None = option("auto", "a folder for profiles (auto: $CKPT_PLANNER_CACHE_DIR or "
+                                           "~/.cache/ckpt-planner/profiles; None: none): the same model again "
+                                           "skips profiling and gets the same plan")
     progress: bool = option(False, "draw a tqdm bar while profiling")
     simplify_attention_masks: bool = option(False, "pass is_causal instead of a constant causal mask to attention "
                                                    "where the model passes the mask: a faster kernel, but other "

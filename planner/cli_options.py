@@ -66,7 +66,8 @@ NOT_ON_THE_CLI: dict[str, str] = {
     "world_size": "the commands plan one process",
     # how the command profiles: once per call, logging progress with -v
     "timing_repeats": "the profiler's default passes, more while they disagree (docs/tuning.md#timing_repeats)",
-    "cache_dir": "each command profiles once",
+    "cache_dir": "report and check profile once per command; plan takes optimize's default folder "
+                 "($CKPT_PLANNER_CACHE_DIR)",
     "progress": "-v logs progress",
     "loss_fn": "a Python callable; the commands take the output's loss",
 }

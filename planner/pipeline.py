@@ -116,7 +116,14 @@ def optimize(
         world_size: plan the per-rank peak with parameters and their gradients sharded over this
             many ranks (FSDP / ZeRO-3 sharding); 1 (default) for one process or DDP.
         cache_dir: a folder for profiles (JSON, keyed by a fingerprint of the graph, input shapes,
-            torch version and target): another budget for the same model skips profiling.
+            machine, torch version and target): the same model again, at this budget or another,
+            skips profiling and is planned on the same node times, so it gets the same plan
+            (measured node times move by 10 % or more from run to run on a CPU, enough to swap
+            near-equal plans: docs/benchmarks/plan_stability.md). ``"auto"`` (default):
+            ``$CKPT_PLANNER_CACHE_DIR`` (empty: no cache), else ``~/.cache/ckpt-planner/profiles``
+            (``$XDG_CACHE_HOME`` where set); None: profile every call. Delete the folder to
+            measure again (after a change of load on the machine, say). The captured-graph path
+            only: the graph-break and module paths profile every call.
         progress: draw a tqdm bar while profiling (when tqdm is installed); progress of
             profiling and solving is logged at INFO either way.
         exact: after the ILP, search an optimistic memory account checked against the simulator

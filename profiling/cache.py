@@ -2,11 +2,17 @@
 
 Planning another budget for the same model needs the same profile, not a new one. The
 fingerprint is a SHA-256 of what decides the profile: the captured graph's code, the shapes,
-dtypes, devices and ``requires_grad`` of its parameters, buffers and example inputs, the torch
-version, the profiling mode (measured or fake) and the target device of the roofline, and the
-fields of the profile's record types (so a new field never reads an old file). The file
-``<cache_dir>/<fingerprint>.json`` holds every node and storage exactly (plain JSON: integers
-stay integers, floats round-trip).
+dtypes, devices and ``requires_grad`` of its parameters, buffers and example inputs, the machine
+that measures it (processor and thread count, or the GPU), the torch version, the profiling mode
+(measured or fake) and the target device of the roofline, and the fields of the profile's record
+types (so a new field never reads an old file). The file ``<cache_dir>/<fingerprint>.json`` holds
+every node and storage exactly (plain JSON: integers stay integers, floats round-trip).
+
+A cached profile is also what keeps plans the same from run to run: node times measured again
+move by 10 % or more on a CPU, enough to swap plans whose predicted times are that close
+(docs/benchmarks/plan_stability.md), while the same profile solved again gives the same plan.
+``cache_dir="auto"`` (``optimize``'s default) is the user's cache folder
+(:func:`resolve_cache_dir`).
 
 Example:
     >>> import tempfile, torch
@@ -23,10 +29,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,7 +47,8 @@ from planner.core.errors import ProfileError
 from profiling import profile
 from profiling.measure import StepInputs, TrainingStep
 
-__all__ = ["CACHE_VERSION", "fingerprint", "save_profile", "load_profile", "cached_profile_graph"]
+__all__ = ["CACHE_VERSION", "AUTO_CACHE_DIR", "CACHE_DIR_ENV", "fingerprint", "machine_identity", "resolve_cache_dir",
+           "save_profile", "load_profile", "cached_profile_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,59 @@ CACHE_VERSION = 9  # 9: CostGraph.output_held and the criterion node of a loss t
 #: measured profile), and ``output_held``, which reads as True (those steps held the output
 #: through the backward), so saved profiles such as the H100 ones load.
 READABLE_CACHE_VERSIONS = (6, 7, 8, 9)
+
+
+#: ``cache_dir`` value that names the user's cache folder (:func:`resolve_cache_dir`)
+AUTO_CACHE_DIR = "auto"
+#: environment variable that moves the ``"auto"`` cache folder; set to an empty string, no cache
+CACHE_DIR_ENV = "CKPT_PLANNER_CACHE_DIR"
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The folder ``cache_dir`` names: None for no cache, a path as given, and for ``"auto"``
+    ``$CKPT_PLANNER_CACHE_DIR`` (an empty value: no cache), else
+    ``$XDG_CACHE_HOME/ckpt-planner/profiles``, else ``~/.cache/ckpt-planner/profiles``.
+
+    Example:
+        >>> resolve_cache_dir(None) is None, resolve_cache_dir("/tmp/profiles")
+        (True, PosixPath('/tmp/profiles'))
+    """
+    if cache_dir is None:
+        return None
+    if str(cache_dir) != AUTO_CACHE_DIR:
+        return Path(cache_dir)
+    chosen = os.environ.get(CACHE_DIR_ENV)
+    if chosen is not None:
+        return Path(chosen).expanduser() if chosen else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ckpt-planner" / "profiles"
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
+
+
+def machine_identity(devices: set[torch.device]) -> str:
+    """What names the machine a profile's times were measured on: each GPU's name and the
+    CUDA version where ``devices`` include one, the processor, its architecture and torch's
+    thread count otherwise.
+
+    Example:
+        >>> import torch
+        >>> machine_identity({torch.device("cpu")}).startswith("cpu ")
+        True
+    """
+    gpus = sorted({torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"})
+    if gpus:
+        return f"cuda {','.join(gpus)} cuda={torch.version.cuda}"
+    return f"cpu {platform.machine()} {_processor()} threads={torch.get_num_threads()}"
 
 
 def _schema() -> str:
@@ -80,11 +142,14 @@ def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = F
     from torch.utils._pytree import tree_leaves
 
     inputs = StepInputs.from_example(example_inputs)
+    tensors = [*gm.parameters(), *gm.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor)} or {torch.device("cpu")}
     h = hashlib.sha256()
     parts = [
         f"version={CACHE_VERSION}",
         f"schema={_schema()}",
         f"torch={torch.__version__}",
+        f"machine={'none' if fake else machine_identity(devices)}",
         f"mode={'fake' if fake else 'measured'}",
         f"target={target.lower()}",
         f"step={step.describe()}",
@@ -170,24 +235,34 @@ def load_profile(path: str | os.PathLike[str]) -> CostGraph:
         raise ProfileError(f"could not read the profile cache {path}: {type(exc).__name__}: {exc}") from exc
 
 
+@functools.cache
+def _warn_unwritable(folder: str, reason: str) -> None:
+    """Warn once per folder and process that profiles cannot be kept there."""
+    log.warning("the profile cache %s cannot be written (%s): profiles are not kept, so plans may differ from run "
+                "to run; set cache_dir (or $%s) to a writable folder", folder, reason, CACHE_DIR_ENV)
+
+
 def cached_profile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Any,
     cache_dir: str | os.PathLike[str] | None,
     **profile_kwargs: Any,
 ) -> CostGraph:
-    """:func:`profiling.profile.profile_graph` through a cache in ``cache_dir`` (None: no cache).
+    """:func:`profiling.profile.profile_graph` through a cache in ``cache_dir`` (None: no cache;
+    ``"auto"``: the user's cache folder, :func:`resolve_cache_dir`).
 
     A hit returns the stored profile without running anything (its ``metadata["cache"]`` is
-    ``"hit"``); a miss profiles and stores it. An unreadable file is logged and profiled again.
+    ``"hit"``); a miss profiles and stores it. An unreadable file is logged and profiled again;
+    a folder that cannot be written is logged and the profile returned uncached.
     ``profile_kwargs`` go to ``profile_graph``; ``fake``, ``target`` and ``step`` are part of the key.
     """
-    if cache_dir is None:
+    folder = resolve_cache_dir(cache_dir)
+    if folder is None:
         return profile.profile_graph(gm, example_inputs, **profile_kwargs)
     key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
                       target=str(profile_kwargs.get("target", "cpu")),
                       step=profile_kwargs.get("step", TrainingStep()))
-    path = Path(cache_dir) / f"{key}.json"
+    path = folder / f"{key}.json"
     if path.exists():
         try:
             graph = load_profile(path)
@@ -198,7 +273,12 @@ def cached_profile_graph(
             graph.metadata.update(cache="hit", fingerprint=key)
             return graph
     graph = profile.profile_graph(gm, example_inputs, **profile_kwargs)
-    save_profile(graph, path, key)
+    try:
+        save_profile(graph, path, key)
+    except OSError as exc:
+        _warn_unwritable(str(folder), f"{type(exc).__name__}: {exc}")
+        graph.metadata.update(cache="unwritable", fingerprint=key)
+        return graph
     log.info("profile cached at %s", path)
     graph.metadata.update(cache="miss", fingerprint=key)
     return graph

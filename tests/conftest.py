@@ -12,9 +12,19 @@ for path in (ROOT, ROOT / "examples", ROOT / "tests"):
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist (``make test`` runs two workers on this 2-core machine), each worker
-    runs torch on one thread, so the workers do not fight over the cores."""
+    runs torch on one thread, so the workers do not fight over the cores. ``optimize``'s profile
+    cache (``cache_dir="auto"``) goes to a folder of this process's own, removed at exit, so the
+    tests use the default path without reading or filling the user's cache."""
+    import atexit
     import os
+    import shutil
+    import tempfile
 
+    from profiling.cache import CACHE_DIR_ENV
+
+    folder = tempfile.mkdtemp(prefix="ckpt-planner-test-cache-")
+    os.environ[CACHE_DIR_ENV] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from graphs import MIB, chain
 from planner.core.plan import Plan, Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from plan_stability import Row, cost_gaps, plan_key, summary, timing_spread  # noqa: E402
+from plan_stability import Row, cost_gaps, plan_key, row_cells, summary, timing_spread  # noqa: E402
 
 
 def _plan(*segments: tuple[str, ...], budget_bytes: int = 64 * MIB) -> Plan:
@@ -49,3 +50,17 @@ def test_timing_spread_is_zero_for_equal_profiles_and_grows_with_a_moved_node() 
     assert same["median"] == same["p90"] == same["step"] == 0.0 and same["nodes"] == 3
     moved = timing_spread([chain([1, 1, 1], [1.0, 2.0, 3.0]), chain([1, 1, 1], [1.0, 2.0, 6.0])])
     assert moved["median"] == 0.0 and moved["p90"] == pytest.approx(1 / 3)
+
+
+def test_plans_from_the_profile_cache_are_counted_per_row() -> None:
+    graphs = [dataclasses.replace(chain([1, 1, 1, 1], [1.0, 2.0, 1.0, 1.0]), step_ms=10.0)] * 2
+    steady = Row("chain", "budget", 64 * MIB, [_plan(("n2",))] * 2, resolved_same=True,
+                 cached_plans=[_plan(("n2",))] * 3, cached_profiled=1)
+    moved = Row("chain", "other", 64 * MIB, [_plan(("n2",))] * 2, resolved_same=True,
+                cached_plans=[_plan(("n2",)), _plan(("n3",)), _plan(("n2",))], cached_profiled=3)
+    assert row_cells(steady, graphs)[-1] == "1 (1 of 3 calls profiled)"
+    assert row_cells(moved, graphs)[-1] == "2 (3 of 3 calls profiled)"
+    assert row_cells(Row("chain", "b", 64 * MIB, [_plan()]), graphs[:1])[-1] == "- (no cache on this path)"
+    text = summary({"chain": ([steady, moved], graphs)})
+    assert text.endswith("1 of 2 rows on the captured-graph path gave one plan in every call (4 of 6 calls "
+                         "profiled, the others read the first profile).")
