@@ -1,12 +1,13 @@
 """Profile cache: a profiled :class:`CostGraph` stored as JSON, keyed by a fingerprint.
 
-Planning another budget for the same model needs the same profile, not a new one. The
-fingerprint is a SHA-256 of what decides the profile: the captured graph's code, the shapes,
-dtypes, devices and ``requires_grad`` of its parameters, buffers and example inputs, the machine
-that measures it (processor and thread count, or the GPU), the torch version, the profiling mode
-(measured or fake) and the target device of the roofline, and the fields of the profile's record
-types (so a new field never reads an old file). The file ``<cache_dir>/<fingerprint>.json`` holds
-every node and storage exactly (plain JSON: integers stay integers, floats round-trip).
+Planning another budget for the same model needs the same profile, not a new one. The fingerprint
+is a SHA-256 of what decides the profile: the captured graph's code, the shapes, dtypes, devices
+and ``requires_grad`` of its parameters, buffers and example inputs, the modes it runs under
+(autocast, CUDA's attention kernels), the machine that measures it (processor and thread count, or
+the GPU), the torch version, the profiling mode (measured or fake) and the target device of the
+roofline, and the fields of the profile's record types (so a new field never reads an old file).
+The file ``<cache_dir>/<fingerprint>.json`` holds every node and storage exactly (plain JSON:
+integers stay integers, floats round-trip).
 
 A cached profile is also what keeps plans the same from run to run: node times measured again
 move by 10 % or more on a CPU, enough to swap plans whose predicted times are that close
@@ -114,6 +115,19 @@ def machine_identity(devices: set[torch.device]) -> str:
     return f"cpu {platform.machine()} {_processor()} threads={torch.get_num_threads()}"
 
 
+def _kernel_modes(devices: set[torch.device]) -> str:
+    """The modes the step runs under that change what it stores: autocast on each device type of
+    the step (the dtypes), and on CUDA the attention kernels allowed (each saves other tensors)."""
+    kinds = sorted({d.type for d in devices} | {"cpu"})
+    modes = [f"{kind}:{torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else 'off'}"
+             for kind in kinds]
+    if "cuda" in kinds:
+        cuda = torch.backends.cuda
+        modes.append(f"sdpa:{int(cuda.flash_sdp_enabled())}{int(cuda.mem_efficient_sdp_enabled())}"
+                     f"{int(cuda.math_sdp_enabled())}{int(cuda.cudnn_sdp_enabled())}")
+    return ",".join(modes)
+
+
 def _schema() -> str:
     return ";".join(
         f"{cls.__name__}:{','.join(f.name for f in dataclasses.fields(cls))}" for cls in (CostNode, Storage, CostGraph)
@@ -150,6 +164,7 @@ def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = F
         f"schema={_schema()}",
         f"torch={torch.__version__}",
         f"machine={'none' if fake else machine_identity(devices)}",
+        f"modes={_kernel_modes(devices)}",
         f"mode={'fake' if fake else 'measured'}",
         f"target={target.lower()}",
         f"step={step.describe()}",

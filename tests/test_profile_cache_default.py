@@ -112,3 +112,12 @@ def test_fingerprint_names_the_machine_threads():
         assert fingerprint(gm, example, fake=True) == fake_key  # a roofline's times are no machine's
     finally:
         torch.set_num_threads(before)
+
+
+def test_fingerprint_names_the_autocast_mode():
+    model, example = models.residual_mlp(batch=16)
+    gm = trace_module(model, example)
+    key = fingerprint(gm, example)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fingerprint(gm, example) != key  # the profile's dtypes, and bytes, follow autocast
+    assert fingerprint(gm, example) == key
