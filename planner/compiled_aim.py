@@ -12,6 +12,11 @@ two plans (a plan a little lower in eager terms can compile much lower), so a ta
 between the highest eager prediction that fitted and the lowest that did not
 (:func:`within_bracket`).
 
+The plans a search finds for the eager step are not the cheapest compiled: many short segments
+cost the compiled step more than their eager prediction says (each boundary keeps its inputs
+and splits fusions), while a person's every-k-th-layer plan compiles into few long regions.
+:func:`hand_plans_to_compile` picks the hand-placed plans worth compiling beside the search's.
+
 Example:
     >>> pairs = [PeakPair(eager_predicted_bytes=200, compiled_measured_bytes=140)]
     >>> eager_target_bytes(pairs, compiled_target_bytes=80, fixed_bytes=20)   # line through (20, 20) and (200, 140)
@@ -26,7 +31,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PeakPair", "eager_target_bytes", "within_bracket"]
+from planner.core.costgraph import CostGraph
+from planner.core.plan import Plan
+from planner.core.simulate import simulate
+from planner.solvers.hand_policies import HAND_PLACED, hand_placed_plans
+from planner.solvers.stage_plans import to_plan
+
+__all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_compile", "MAX_COMPILED_HAND_PLANS"]
+
+#: Hand-placed plans compiled and measured at most beside the search's plans, the first that
+#: fits ending the search (docs/tuning.md#max_compiled_hand_plans).
+MAX_COMPILED_HAND_PLANS = 2
 
 #: Slopes (compiled bytes per eager byte) a line through two measured pairs may take. Outside
 #: it (two plans whose compiled peaks barely differ, or a floor the plans do not move) the next
@@ -90,3 +105,45 @@ def within_bracket(target_bytes: int, pairs: Sequence[PeakPair], room_bytes: int
         return target_bytes
     high = min(over)
     return target_bytes if low < target_bytes < high else (low + high) // 2
+
+
+def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_bytes: int, budget_bytes: int,
+                          limit: int = MAX_COMPILED_HAND_PLANS) -> list[Plan]:
+    """The hand-placed plans (:func:`planner.solvers.hand_policies.hand_placed_plans`, whole
+    segments only: compiled steps run no selective policy) most likely to compile into
+    ``room_bytes``, at most ``limit``, as plans for ``budget_bytes``: those whose eager peak is
+    below the lowest eager prediction that measured over the room, nearest first to the eager
+    peak the measured ``pairs`` expect to compile to the room (:func:`eager_target_bytes`).
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+        >>> for i in range(1, 9):   # four layers of two ops each
+        ...     nodes.append(CostNode(f"n{i}", "aten.relu.default", input_names=(nodes[-1].name,),
+        ...                           output_storages=(i,), saved_storages=(i,), output_bytes=100,
+        ...                           requires_grad=True, time_ms=1.0, module=f"layers.{(i - 1) // 2}"))
+        >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 100, i == 0) for i in range(9)), ("n8",))
+        >>> pairs = [PeakPair(simulate(g).peak_bytes, 900)]   # nothing recomputed: 1100 eager, 900 compiled
+        >>> [(p.solver, p.predicted_peak_bytes) for p in hand_plans_to_compile(g, pairs, 800, 800)]
+        [('hand-placed: every 3rd layer', 1000), ('hand-placed: every layer', 900)]
+        >>> pairs.append(PeakPair(1000, 850))   # every 3rd layer measured over the room
+        >>> [p.solver for p in hand_plans_to_compile(g, pairs, 800, 800)]
+        ['hand-placed: every layer', 'hand-placed: every 2nd layer']
+    """
+    unoptimized = simulate(graph).peak_bytes
+    over = [p.eager_predicted_bytes for p in pairs if p.compiled_measured_bytes > room_bytes]
+    ceiling = min(over) if over else None
+    aim = eager_target_bytes(pairs, room_bytes, graph.persistent_bytes) if pairs else unoptimized
+    seen: set[tuple[tuple[str, ...], ...]] = set()
+    ranked: list[tuple[int, int, str, Plan]] = []
+    for hand in hand_placed_plans(graph):
+        key = tuple(s.node_names for s in hand.segments)
+        if not hand.segments or any(s.kept_nodes for s in hand.segments) or key in seen:
+            continue
+        seen.add(key)
+        peak = simulate(graph, hand.segments).peak_bytes
+        if ceiling is not None and peak >= ceiling:
+            continue
+        plan = to_plan(graph, list(hand.segments), budget_bytes, unoptimized, peak, f"{HAND_PLACED}: {hand.name}", 0.0)
+        ranked.append((abs(peak - aim), len(ranked), hand.name, plan))
+    return [plan for *_, plan in sorted(ranked)[:limit]]

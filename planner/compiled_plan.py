@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from planner.compiled_aim import PeakPair, eager_target_bytes, within_bracket
+from planner.compiled_aim import PeakPair, eager_target_bytes, hand_plans_to_compile, within_bracket
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import COMPILE_BACKEND, check_budget_gb
@@ -44,7 +45,8 @@ from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.planning_steps import PlanningSteps
 from rewrite.attach import attach_to_user_modules
-from rewrite.compiled import COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_peak_bytes
+from rewrite.compiled import (COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_ms,
+                              compiled_step_peak_bytes)
 from rewrite.segments import apply_plan, module_copy
 
 __all__ = ["compile_backend_of", "plan_compiled"]
@@ -92,6 +94,34 @@ def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
     if run is None:
         return plan
     return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s)
+
+
+def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: list[PeakPair], room_bytes: int,
+                     budget_bytes: int, compiled_unoptimized: int, measured: Callable[[Plan], tuple[Any, Plan]],
+                     step_ms: Callable[[list[Any]], list[float]]) -> tuple[Any, Plan] | None:
+    """``best`` (the search's plan that measured within the room, compiled), or a hand-placed plan
+    (:func:`planner.compiled_aim.hand_plans_to_compile`) that measured within the room and whose
+    compiled step measured faster: the first of them that fits is compiled beside it, and the two
+    steps timed (``step_ms``). Each measured plan's pair is added to ``pairs``."""
+    for candidate in hand_plans_to_compile(graph, pairs, room_bytes, budget_bytes):
+        candidate = dataclasses.replace(candidate, measured_unoptimized_peak_bytes=compiled_unoptimized)
+        if best is not None and candidate.segments == best[1].segments:
+            return best
+        module, plan = measured(candidate)
+        peak = plan.measured_peak_bytes
+        assert peak is not None
+        pairs.append(PeakPair(plan.predicted_peak_bytes, peak))
+        if peak > room_bytes:
+            log.info("%s compiled measured %.4f GiB, over the room of %.4f GiB", plan.solver, peak / GIB,
+                     room_bytes / GIB)
+            continue
+        if best is None:
+            return module, plan
+        search_ms, hand_ms = step_ms([best[0], module])
+        log.info("compiled steps: the search's plan (%d segments) %.1f ms, %s (%d segments) %.1f ms",
+                 len(best[1].segments), search_ms, plan.solver, len(plan.segments), hand_ms)
+        return (module, plan) if hand_ms < search_ms else best
+    return best
 
 
 def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph | None]:
@@ -196,6 +226,8 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
                 "again for an eager peak of %.4f GiB (%d of %d)", peak / GIB, room_bytes / GIB,
                 plan.predicted_peak_bytes / GIB, following / GIB, attempt + 1, MAX_COMPILED_SOLVES - 1)
         eager_bytes = following
+    best = _with_hand_plans(best, graph, pairs, room_bytes, budget_bytes, compiled_unoptimized, measured,
+                            lambda modules: compiled_step_ms(modules, inputs, step))
     if best is None:
         lowest = min(pair.compiled_measured_bytes for pair in pairs)
         raise InfeasibleBudgetError(budget_bytes, lowest + planning.reserve_bytes, note=(

@@ -34,7 +34,9 @@ Example:
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +46,8 @@ import torch.utils.checkpoint
 
 from planner.core.errors import InputError, PlannerError
 from planner.core.options import COMPILE_BACKEND
-from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state, run_step
+from profiling.interpreter import step_timer
+from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
 from rewrite.segments import CheckpointedSegment, checkpointed_call
 
 __all__ = [
@@ -55,11 +58,17 @@ __all__ = [
     "compile_step",
     "compiled_runner",
     "compiled_step_peak_bytes",
+    "compiled_step_ms",
+    "COMPILED_TIMING_ROUNDS",
     "graph_break_count",
     "traceable_segments",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Interleaved rounds :func:`compiled_step_ms` times each compiled step in
+#: (docs/tuning.md#compiled_timing_rounds).
+COMPILED_TIMING_ROUNDS = 5
 
 #: ``gm.meta`` key of the :class:`CompiledStep` a graph module was compiled into.
 COMPILED_STEP = "checkpoint_planner_compiled_step"
@@ -168,3 +177,26 @@ def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND) ->
         run = CompiledStep(torch.compile(gm, backend=backend), 0, 0.0)
         gm.meta[COMPILED_STEP] = run
     return run.module
+
+
+def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs, step: TrainingStep = TrainingStep(),
+                     *, rounds: int = COMPILED_TIMING_ROUNDS) -> list[float]:
+    """The median milliseconds of each module's compiled training step (:func:`compiled_runner`),
+    timed in ``rounds`` interleaved rounds, each round starting at the next module (a step
+    inherits its predecessor's freed memory and cold caches). The modules share the user's
+    parameters and buffers: ``.grad``, buffers and RNG are restored after, as for one
+    measurement."""
+    runners = [compiled_runner(m) for m in modules]
+    timer = step_timer(device_of(modules[0], inputs))
+    params = list(modules[0].parameters())
+    times_ms: list[list[float]] = [[] for _ in runners]
+    with preserved_state(modules[0]):
+        for r in range(rounds):
+            for k in range(len(runners)):
+                i = (r + k) % len(runners)
+                for p in params:
+                    p.grad = None
+                times_ms[i].append(timer(lambda i=i: run_step(runners[i], inputs, step)))
+        for p in params:
+            p.grad = None
+    return [statistics.median(t) for t in times_ms]

@@ -206,3 +206,75 @@ def test_enable_passes_compile_on():
     finally:
         disable(model)
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ hand-placed plans beside the search's (fast)
+
+def _hand_choice(best_segments: int, peaks: dict[str, int], times_ms: tuple[float, float], room: int = 800):
+    """``_with_hand_plans`` on a four-layer chain, with each plan's compiled peak looked up by its
+    label in ``peaks`` and the two timed steps given: the plans measured, and the one chosen."""
+    from planner.compiled_aim import PeakPair
+    from planner.compiled_plan import _with_hand_plans
+    from planner.core.simulate import simulate
+    from test_compiled_aim import _four_layers
+
+    graph = _four_layers()
+    search = Plan(room, 700, 1100, tuple(Segment((f"n{i}",), 1.0, 100) for i in range(1, 1 + best_segments)),
+                  8.0, 20.0, 0, "search", 0.0, measured_peak_bytes=780)
+    measured_labels: list[str] = []
+
+    def measured(plan):
+        measured_labels.append(plan.solver)
+        return f"module of {plan.solver}", Plan(**{**plan.__dict__, "measured_peak_bytes": peaks[plan.solver]})
+
+    timed: list[list[str]] = []
+
+    def step_ms(modules):
+        timed.append(modules)
+        return list(times_ms)
+
+    pairs = [PeakPair(simulate(graph).peak_bytes, 900)]
+    best = None if best_segments == 0 else ("module of search", search)
+    chosen = _with_hand_plans(best, graph, pairs, room, room, 900, measured, step_ms)
+    return measured_labels, timed, chosen
+
+
+def test_a_hand_plan_that_fits_and_steps_faster_replaces_the_search_plan():
+    peaks = {"hand-placed: every 3rd layer": 790, "hand-placed: every layer": 700}
+    measured, timed, chosen = _hand_choice(6, peaks, (12.0, 10.0))
+    assert measured == ["hand-placed: every 3rd layer"]  # the first that fits ends the search
+    assert timed == [["module of search", "module of hand-placed: every 3rd layer"]]
+    assert chosen[1].solver == "hand-placed: every 3rd layer" and chosen[1].measured_peak_bytes == 790
+
+
+def test_the_search_plan_stays_where_it_steps_faster_and_a_hand_plan_over_the_room_is_passed_over():
+    peaks = {"hand-placed: every 3rd layer": 850, "hand-placed: every layer": 700}
+    measured, timed, chosen = _hand_choice(6, peaks, (9.0, 10.0))
+    assert measured == ["hand-placed: every 3rd layer", "hand-placed: every layer"]
+    assert chosen[1].solver == "search" and len(timed) == 1
+
+
+def test_with_no_search_plan_in_the_room_the_first_hand_plan_that_fits_is_taken_untimed():
+    peaks = {"hand-placed: every 3rd layer": 790, "hand-placed: every layer": 700}
+    measured, timed, chosen = _hand_choice(0, peaks, (1.0, 1.0))
+    assert chosen[1].solver == "hand-placed: every 3rd layer" and timed == []
+
+
+def test_compiled_step_ms_times_each_module_and_leaves_gradients_as_they_were():
+    from rewrite.compiled import compile_step, compiled_step_ms
+    from rewrite.segments import apply_plan, module_copy
+    from profiling.trace import trace_module
+
+    model, inputs = make_net(batch=32, width=16, blocks=2)
+    gm = trace_module(model, inputs)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    plain = module_copy(gm)
+    planned = apply_plan(module_copy(gm), Plan(0, 0, 0, (Segment(tuple(names[:3]), 0.0, 0),), 0.0, 0.0, 0, "t", 0.0))
+    step_inputs = StepInputs.from_example(inputs)
+    for module in (plain, planned):
+        compile_step(module, step_inputs, backend="eager")
+    model.zero_grad(set_to_none=True)
+    times = compiled_step_ms([plain, planned], step_inputs, rounds=3)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert all(p.grad is None for p in model.parameters())
+    torch._dynamo.reset()

@@ -63,3 +63,43 @@ def test_without_a_measurement_on_both_sides_the_target_stands() -> None:
     assert within_bracket(300, fit_only, room_bytes=500) == 300
     # a fit above every overshoot (compiled peaks need not rise with the eager one): no bracket
     assert within_bracket(300, [PeakPair(900, 450), PeakPair(800, 520)], room_bytes=500) == 300
+
+
+def _four_layers(matmuls: bool = False):
+    """Four layers of two ops each (a relu and, with ``matmuls``, an addmm), 100 bytes an output."""
+    from planner.core.costgraph import CostGraph, CostNode, Storage
+
+    nodes = [CostNode("x", "placeholder", kind="input", output_storages=(0,))]
+    for i in range(1, 9):
+        op = "aten.addmm.default" if matmuls and i % 2 else "aten.relu.default"
+        nodes.append(CostNode(f"n{i}", op, input_names=(nodes[-1].name,), output_storages=(i,), saved_storages=(i,),
+                              output_bytes=100, requires_grad=True, time_ms=1.0, flops=1000 if "addmm" in op else 0,
+                              selective_save=matmuls, module=f"layers.{(i - 1) // 2}"))
+    return CostGraph(tuple(nodes), tuple(Storage(i, 100, i == 0) for i in range(9)), ("n8",))
+
+
+def test_hand_plans_to_compile_skip_those_above_a_plan_that_measured_over_the_room() -> None:
+    from planner.compiled_aim import hand_plans_to_compile
+    from planner.core.simulate import simulate
+
+    graph = _four_layers()
+    pairs = [PeakPair(simulate(graph).peak_bytes, 900)]
+    first = hand_plans_to_compile(graph, pairs, room_bytes=800, budget_bytes=800, limit=10)
+    assert [p.predicted_peak_bytes for p in first] == [1000, 900, 800]  # nearest the aim (975) first
+    assert all(p.budget_bytes == 800 and p.solver.startswith("hand-placed: every") for p in first)
+    pairs.append(PeakPair(900, 820))  # a plan predicted at 900 eager measured over the room
+    assert [p.predicted_peak_bytes for p in hand_plans_to_compile(graph, pairs, 800, 800, limit=10)] == [800]
+    assert hand_plans_to_compile(graph, pairs, 800, 800, limit=0) == []
+
+
+def test_hand_plans_to_compile_take_whole_segments_only() -> None:
+    """The save-matmuls policy keeps outputs inside its segments, which a compiled step cannot."""
+    from planner.compiled_aim import hand_plans_to_compile
+    from planner.core.simulate import simulate
+    from planner.solvers.hand_policies import hand_placed_plans
+
+    graph = _four_layers(matmuls=True)
+    assert any(s.kept_nodes for hand in hand_placed_plans(graph) for s in hand.segments)
+    plans = hand_plans_to_compile(graph, [PeakPair(simulate(graph).peak_bytes, 900)], 800, 800, limit=20)
+    assert plans and all(not s.kept_nodes for p in plans for s in p.segments)
+    assert len({p.segments for p in plans}) == len(plans)
