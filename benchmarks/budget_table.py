@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from common import MIB, add_docs_argument, publish_doc, step_time_ratios, tee_stdout  # noqa: E402
+from common import (MIB, add_docs_argument, isolated_profile_cache, publish_doc, step_time_ratios,  # noqa: E402
+                    tee_stdout)
 from models import gpt2, residual_mlp  # noqa: E402
 
 from planner import optimize  # noqa: E402
@@ -84,6 +85,7 @@ def main() -> None:
     add_docs_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    isolated_profile_cache()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = []
     for name in args.models:

@@ -26,6 +26,7 @@ import argparse
 import copy
 import functools
 import logging
+import os
 import statistics
 import sys
 import time
@@ -250,6 +251,22 @@ def publish_table(text: str, out_dir: Path, file_name: str, doc: dict[str, str] 
     sys.stdout.write(text)
     if doc is not None:
         publish_doc(text, doc["name"], sys.argv, title=doc["title"], about=doc.get("about", ""))
+
+
+def isolated_profile_cache() -> Path:
+    """Point ``optimize``'s default profile cache (``cache_dir="auto"``) at a new empty folder for
+    this process and its children, removed at exit: a benchmark's first call of each model
+    profiles, as a first run on a machine does, whatever earlier runs left in the user's cache."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from profiling.cache import CACHE_DIR_ENV
+
+    folder = tempfile.mkdtemp(prefix="benchmark-profiles-")
+    os.environ[CACHE_DIR_ENV] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(folder)
 
 
 def benchmark_logging() -> None:

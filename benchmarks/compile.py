@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIB, ROOT, add_docs_argument, benchmark_logging, publish_table, step_time_ratios  # noqa: E402
+from common import (MIB, ROOT, add_docs_argument, benchmark_logging, isolated_profile_cache, publish_table,  # noqa: E402
+                    step_time_ratios)
 from models import gpt2, llama  # noqa: E402
 
 from planner import optimize  # noqa: E402
@@ -272,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_docs_argument(parser)
     args = parser.parse_args(argv)
     benchmark_logging()
+    isolated_profile_cache()
     if not args.warm_cache:  # read by Inductor at each compile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
     torch.set_num_threads(args.threads)

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from common import GIB, MIB, ROOT, add_docs_argument, benchmark_logging, publish_table, step_seconds, \
-    step_time_ratios, to_device
+from common import GIB, MIB, ROOT, add_docs_argument, benchmark_logging, isolated_profile_cache, publish_table, \
+    step_seconds, step_time_ratios, to_device
 from corpus_models import FAMILIES, SKIPPED, Family
 
 from planner import InfeasibleBudgetError, optimize
@@ -430,6 +430,7 @@ def main() -> None:
     add_docs_argument(parser)
     args = parser.parse_args()
     benchmark_logging()
+    isolated_profile_cache()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")

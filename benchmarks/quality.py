@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from common import (GIB, MIB, ROOT, add_docs_argument, benchmark_logging, checkpoint_every_k, find_layers,
-                    publish_doc, step_time_ratios, to_device)
+                    isolated_profile_cache, publish_doc, step_time_ratios, to_device)
 from models import bert, gpt2, llama, residual_mlp
 
 from planner import InfeasibleBudgetError, optimize
@@ -298,6 +298,7 @@ def main() -> None:
                              "(default quality, quality_cuda, with _exact after --exact)")
     args = parser.parse_args()
     benchmark_logging()
+    isolated_profile_cache()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")

@@ -142,3 +142,13 @@ def test_the_save_matmuls_policy_recomputes_no_matmul_and_trains_as_the_model() 
         grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_isolated_profile_cache_points_the_default_cache_at_a_new_empty_folder(monkeypatch):
+    from common import isolated_profile_cache
+    from profiling.cache import AUTO_CACHE_DIR, CACHE_DIR_ENV, resolve_cache_dir
+
+    monkeypatch.setenv(CACHE_DIR_ENV, "/somewhere/else")
+    folder = isolated_profile_cache()
+    assert resolve_cache_dir(AUTO_CACHE_DIR) == folder and folder.is_dir() and not any(folder.iterdir())
+    assert isolated_profile_cache() != folder  # each call its own folder
