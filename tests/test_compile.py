@@ -254,6 +254,14 @@ def test_the_search_plan_stays_where_it_steps_faster_and_a_hand_plan_over_the_ro
     assert chosen[1].solver == "search" and len(timed) == 1
 
 
+def test_within_the_timing_tolerance_the_hand_plan_is_taken():
+    from planner.compiled_plan import COMPILED_TIME_TOLERANCE
+
+    peaks = {"hand-placed: every 3rd layer": 790}
+    faster_by_less = 10.0 * (1 - COMPILED_TIME_TOLERANCE / 2)
+    assert _hand_choice(6, peaks, (faster_by_less, 10.0))[2][1].solver == "hand-placed: every 3rd layer"
+
+
 def test_with_no_search_plan_in_the_room_the_first_hand_plan_that_fits_is_taken_untimed():
     peaks = {"hand-placed: every 3rd layer": 790, "hand-placed: every layer": 700}
     measured, timed, chosen = _hand_choice(0, peaks, (1.0, 1.0))
