@@ -84,7 +84,12 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path | None:
     chosen = os.environ.get(CACHE_DIR_ENV)
     if chosen is not None:
         return Path(chosen).expanduser() if chosen else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no home directory to be found: nowhere to keep profiles
+            return None
     return Path(base) / "ckpt-planner" / "profiles"
 
 
