@@ -304,7 +304,7 @@ class _ReportSteps:
 
 def _report_command(args: argparse.Namespace) -> int:
     from planner.cli_capture import check_method_applies, labelled, plan_on, profile_on_a_path
-    from planner.loss_chunking import choose_loss_chunks, loss_chunk_floors
+    from planner.loss_chunking import choose_loss_chunks, loss_chunk_floors, with_chunked_floor
 
     if args.plot and not str(args.plot).lower().endswith(".png"):
         raise PlannerError(f"--plot {args.plot}: the plot is written as PNG; give a .png file name")
@@ -322,7 +322,10 @@ def _report_command(args: argparse.Namespace) -> int:
     plain_graph = profiled.graph
     floors = None
     if profiled.capture == "graph":
-        _, plan, graph = choose_loss_chunks(steps, profiled.captured, plain_graph)
+        try:
+            _, plan, graph = choose_loss_chunks(steps, profiled.captured, plain_graph)
+        except InfeasibleBudgetError as refusal:
+            raise with_chunked_floor(steps, profiled.captured, refusal) from None
         floors = loss_chunk_floors(steps, profiled.captured, plain_graph)
     else:
         if args.chunk_loss:

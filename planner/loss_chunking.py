@@ -42,7 +42,7 @@ from planner.core.simulate import simulate
 from profiling.loss_chain import find_loss_chain
 from rewrite.chunked_loss import chunk_loss
 
-__all__ = ["ChunkChoiceSteps", "choose_loss_chunks", "loss_chunk_floors", "is_chunked", "chunked_recompute_ms"]
+__all__ = ["ChunkChoiceSteps", "choose_loss_chunks", "with_chunked_floor", "loss_chunk_floors", "is_chunked", "chunked_recompute_ms"]
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,10 @@ def choose_loss_chunks(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tu
     The module's example runs it.
 
     Raises:
-        InfeasibleBudgetError: no plan fits; with ``chunk_loss`` off, the message names the
-            lower floor ``chunk_loss=True`` reaches, where it does.
+        InfeasibleBudgetError: no plan fits (:func:`with_chunked_floor` adds, with ``chunk_loss``
+            off, the lower floor ``chunk_loss=True`` would reach: a second capture, profile and
+            solve, so a caller that may still recover from the refusal adds it only once it
+            cannot).
     """
     if is_chunked(graph):
         chunk_loss(gm)
@@ -134,18 +136,7 @@ def choose_loss_chunks(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tu
     if find_loss_chain(gm) is None:
         return gm, steps.plan(graph), graph
     if not steps.capture_options.chunk_loss:
-        try:
-            return gm, steps.plan(graph), graph
-        except InfeasibleBudgetError as exc:
-            chunked = steps.capture()
-            chunk_loss(chunked)
-            floor = _floor_bytes(steps, steps.profile(chunked))
-            if floor >= exc.min_feasible_bytes:
-                raise
-            raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes, note=(
-                f"chunk_loss=True (--chunk-loss) reaches a lower floor, {floor / GIB:.4f} GiB ({floor} bytes), by "
-                f"computing the output head and loss in row chunks (other summation order)"),
-                unoptimized_peak_bytes=exc.unoptimized_peak_bytes) from None
+        return gm, steps.plan(graph), graph
     plain: Plan | None = None
     plain_floor = 0
     try:
@@ -175,6 +166,32 @@ def choose_loss_chunks(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tu
     chunked_plan = dataclasses.replace(chunked_plan, unoptimized_peak_bytes=simulate(graph).peak_bytes,
                                        measured_unoptimized_peak_bytes=graph.measured_peak_bytes, step_ms=graph.step_ms)
     return chunked, chunked_plan, chunked_graph
+
+
+def with_chunked_floor(steps: ChunkChoiceSteps, gm: Any, refusal: InfeasibleBudgetError) -> InfeasibleBudgetError:
+    """``refusal`` (what :func:`choose_loss_chunks` raised for ``gm``) with a note naming the
+    lower floor the output head and loss in row chunks reach, where ``chunk_loss`` is off, ``gm``
+    has such a chain and the chunked floor is lower; else ``refusal`` itself.
+
+    Example:
+        >>> import torch
+        >>> from planner.planning_steps import PlanningSteps
+        >>> steps = PlanningSteps(torch.nn.Linear(4, 4).train(), (torch.randn(2, 4),), budget_gb=1e-9)
+        >>> refusal = InfeasibleBudgetError(1, 2**20)
+        >>> with_chunked_floor(steps, steps.capture(), refusal) is refusal   # no output head and loss chain
+        True
+    """
+    if steps.capture_options.chunk_loss or find_loss_chain(gm) is None:
+        return refusal
+    chunked = steps.capture()
+    chunk_loss(chunked)
+    floor = _floor_bytes(steps, steps.profile(chunked))
+    if floor >= refusal.min_feasible_bytes:
+        return refusal
+    return InfeasibleBudgetError(refusal.budget_bytes, refusal.min_feasible_bytes, note=(
+        f"chunk_loss=True (--chunk-loss) reaches a lower floor, {floor / GIB:.4f} GiB ({floor} bytes), by "
+        f"computing the output head and loss in row chunks (other summation order)"),
+        unoptimized_peak_bytes=refusal.unoptimized_peak_bytes)
 
 
 def loss_chunk_floors(steps: ChunkChoiceSteps, gm: Any, graph: CostGraph) -> tuple[int, int] | None:

@@ -30,7 +30,7 @@ from planner.core.errors import InfeasibleBudgetError, InputError, TraceError
 from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_budget_choice, check_offload_device
 from planner.core.plan import GIB, Plan
 from planner.graph_break_plan import plan_graph_breaks
-from planner.loss_chunking import choose_loss_chunks, is_chunked
+from planner.loss_chunking import choose_loss_chunks, is_chunked, with_chunked_floor
 from planner.measured_fit import check_on_device, fit_on_measurement
 from planner.module_plan import plan_modules
 from planner.planning_steps import PlanningSteps, log_plan, plan_if_the_step_fits, planning_room_bytes
@@ -309,7 +309,7 @@ class Replanner:
             except InfeasibleBudgetError as refusal:
                 fitted = fit_on_measurement(steps, gm, graph, refusal)  # just under the floor: measured
                 if fitted is None:
-                    raise
+                    raise with_chunked_floor(steps, gm, refusal) from None
                 module, plan = fitted
                 log_plan(plan, measured=True)
                 return module, plan, graph

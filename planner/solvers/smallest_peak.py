@@ -39,6 +39,10 @@ DP_DESCENT_PRECISION = 0.005
 DP_DESCENT_S = 30.0
 #: Replays each start of the descent may tighten its target after (docs/tuning.md#dp_descent_attempts).
 DP_DESCENT_ATTEMPTS = 8
+#: Relative precision the exact search's bisection stops at (docs/tuning.md#bisection_precision).
+BISECTION_PRECISION = 0.005
+#: Candidates each search of the bisection may replay (docs/tuning.md#bisection_candidates).
+BISECTION_CANDIDATES = 8
 
 
 def minimum_peak_plan(
@@ -55,7 +59,9 @@ def minimum_peak_plan(
     local moves judged by the simulator (:func:`planner.solvers.refine.lower_peak`, up to ``refine_s``)
     and, with ``exact`` (default: graphs under 64 compute nodes), by bisecting the budget with
     the search of :mod:`planner.solvers.relaxation`, which makes it the smallest over the stages (within
-    0.1 %) unless the bisection runs out of ``exact_s`` seconds (default ``time_limit_s``) first.
+    :data:`BISECTION_PRECISION`) unless a search of the bisection neither finds nor proves in
+    :data:`BISECTION_CANDIDATES` candidates or it runs out of ``exact_s`` seconds (default
+    ``time_limit_s``) first.
     ``infeasible_bytes``: a budget already proven to fit no plan over the stages (the bisection
     starts above it).
 
@@ -125,17 +131,19 @@ def _lowest_by_bisection(graph: CostGraph, model: StageModel, segments: list[Seg
     search (:func:`planner.solvers.relaxation.search_cheapest`): a budget it proves that no plan over
     the stages fits is a lower end, a plan it finds is a new upper end. Starts above
     ``infeasible_bytes`` (a budget proven to fit no plan) or the persistent bytes. Stops within
-    0.1 % of the smallest peak over the stages, at the first search that neither finds nor
-    proves, or after ``time_limit_s`` for all searches together: just below the smallest peak
-    a search can replay all its candidates without either, slowly
-    (docs/tuning.md#_lowest_by_bisection)."""
+    :data:`BISECTION_PRECISION` of the smallest peak over the stages, at the first search that
+    neither finds nor proves in :data:`BISECTION_CANDIDATES` candidates, or after
+    ``time_limit_s`` for all searches together: just below the smallest peak a search can
+    replay candidate after candidate without either, seconds each
+    (docs/tuning.md#bisection_candidates)."""
     name = choose_solver(solver)
     deadline = time.perf_counter() + time_limit_s
     low = max(graph.persistent_bytes, infeasible_bytes + 1)
-    while peak - low > peak // 1000 and (left_s := deadline - time.perf_counter()) > 0:
+    while peak - low > peak * BISECTION_PRECISION and (left_s := deadline - time.perf_counter()) > 0:
         middle = (low + peak) // 2
         found = search_cheapest(graph, model.stages, middle, math.inf,
-                                lambda prob: run_solver(prob, name, left_s, presolve=False), time_limit_s=left_s)
+                                lambda prob: run_solver(prob, name, left_s, presolve=False),
+                                max_candidates=BISECTION_CANDIDATES, time_limit_s=left_s)
         if found.runs is not None:
             segments = stage_segments(graph, model, found.runs)
             peak = simulate(graph, segments).peak_bytes
