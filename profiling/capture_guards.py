@@ -1,7 +1,6 @@
 """What a capture must hold steady around ``torch.export``: the key/value cache off for the
-training step, a record of the custom ``torch.autograd.Function`` classes the forward
-applies (a capture cannot keep their own backward), and stderr free of the partial graph a
-failed export prints.
+training step, and stderr free of the partial graph a failed export prints (custom
+``torch.autograd.Function`` calls: :mod:`profiling.custom_functions`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["training_step_without_kv_cache", "custom_functions_recorded", "partial_graph_kept_off_stderr"]
+__all__ = ["training_step_without_kv_cache", "partial_graph_kept_off_stderr"]
 
 log = logging.getLogger(__name__)
 
@@ -50,45 +49,6 @@ def training_step_without_kv_cache(model: torch.nn.Module) -> Iterator[int]:
     finally:
         for config in configs.values():
             config.use_cache = True
-
-
-@contextlib.contextmanager
-def custom_functions_recorded() -> Iterator[list[type]]:
-    """Within the context, every ``torch.autograd.Function`` subclass outside torch whose
-    ``apply`` runs is recorded, in call order.
-
-    A capture runs the forward and records the ops inside such a Function, not the Function:
-    the captured graph's backward is autograd's derivative of those ops, not the Function's own
-    ``backward`` (another formula, other rounding; a different gradient where the backward is
-    not the forward's exact derivative: a straight-through estimator, a clipped or scaled
-    gradient).
-
-    Example:
-        >>> class Twice(torch.autograd.Function):
-        ...     @staticmethod
-        ...     def forward(ctx, x):
-        ...         return x.clone()
-        ...     @staticmethod
-        ...     def backward(ctx, grad):
-        ...         return 2 * grad
-        >>> with custom_functions_recorded() as applied:
-        ...     _ = Twice.apply(torch.ones(2, requires_grad=True))
-        >>> [f.__name__ for f in applied]
-        ['Twice']
-    """
-    original = torch.autograd.Function.__dict__["apply"]
-    applied: list[type] = []
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch."):
-            applied.append(cls)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
-        yield applied
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from planner.core.costgraph import CostNode, Storage
+from profiling.custom_functions import AUTOGRAD_FUNCTION
 from profiling.interpreter import tensors_of
 
 __all__ = ["StorageTable", "cost_nodes"]
@@ -55,11 +56,15 @@ def _keepable(node: torch.fx.Node, is_alias: bool, record: dict[str, Any]) -> bo
     would shift the random stream of the ops after it)."""
     if isinstance(node.target, torch._ops.HigherOrderOperator):
         return False  # a wrapped subgraph (e.g. torch.no_grad regions), not one op
+    if node.target is AUTOGRAD_FUNCTION:
+        return False  # its ops dispatch one by one, below where a selective policy sees the node
     return (node.op == "call_function" and not is_alias and not record["mutating"]
             and not record["writes_in_place"] and not _is_random(node))
 
 
 def _is_random(node: torch.fx.Node) -> bool:
+    if node.target is AUTOGRAD_FUNCTION:
+        return True  # a custom Function's Python may draw random numbers: replay the RNG state
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags:
         return True

@@ -41,8 +41,8 @@ from planner.core.errors import InputError, TraceError
 from planner.core.options import TRACE_METHODS
 from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.batch_norm_updates import split_batch_norm_updates
-from profiling.capture_guards import (custom_functions_recorded, partial_graph_kept_off_stderr,
-                                      training_step_without_kv_cache)
+from profiling.capture_guards import partial_graph_kept_off_stderr, training_step_without_kv_cache
+from profiling.custom_functions import custom_functions_as_ops
 from profiling.eager_attention import match_eager_attention
 from profiling.eager_grouped_mm import match_eager_grouped_mm
 from profiling.measure import StepInputs
@@ -236,14 +236,15 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     name = type(model).__name__
     try:
         if method == "export":
-            with training_step_without_kv_cache(model) as turned_off, custom_functions_recorded() as functions, \
+            with training_step_without_kv_cache(model) as turned_off, custom_functions_as_ops() as functions, \
                     partial_graph_kept_off_stderr():
                 program = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
             if functions:
                 names = ", ".join(dict.fromkeys(f.__qualname__ for f in functions))
                 raise TraceError(
-                    f"could not capture {name} exactly: it applies the custom autograd.Function {names}, whose own "
-                    f"backward a captured graph would replace by autograd of its forward ops")
+                    f"could not capture {name} exactly: it applies the custom autograd.Function {names}, whose "
+                    f"outputs are not new tensors (an input, a view or not a tensor), so a captured graph would "
+                    f"replace its own backward by autograd of its forward ops")
             if turned_off:
                 log.info("captured %s with use_cache=False (%d configs; a training step needs no key/value cache; "
                          "the model's config is unchanged)", name, turned_off)

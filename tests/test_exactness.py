@@ -110,11 +110,12 @@ def test_the_opt_in_mask_simplification_is_labelled_in_the_plan():
 
 
 class _ScaledGradient(torch.autograd.Function):
-    """Identity forward, doubled gradient: a backward that is not its forward's derivative."""
+    """Identity forward returning a view of its input, doubled gradient: a backward that is not
+    its forward's derivative, on an output no operator may return (it aliases the input)."""
 
     @staticmethod
     def forward(ctx, x):
-        return x.clone()
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -130,10 +131,11 @@ class _CustomFunctionBlock(torch.nn.Module):
         return x + _ScaledGradient.apply(torch.tanh(self.linear(x)))
 
 
-def test_a_custom_autograd_function_is_never_captured_its_backward_stays_the_users():
-    """A capture records a Function's forward ops and differentiates them, dropping its own
-    backward (here a doubled gradient): such a model is planned over the ops of its eager step
-    instead, where the Function's own backward runs."""
+def test_a_custom_autograd_function_that_cannot_be_one_node_is_not_captured_its_backward_stays_the_users():
+    """A Function whose output is a view of its input cannot be one operator node of the
+    captured graph (profiling/custom_functions.py); capturing its forward ops would drop its
+    own backward (here a doubled gradient): such a model is planned over the ops of its eager
+    step instead, where the Function's own backward runs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_CustomFunctionBlock() for _ in range(3)]).train()
     x = torch.randn(64, 32)
