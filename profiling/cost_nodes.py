@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.core.costgraph import CostNode, Storage
 from profiling.custom_functions import AUTOGRAD_FUNCTION
+from profiling.gradient_sharing import grad_shared_inputs
 from profiling.interpreter import tensors_of
 
 __all__ = ["StorageTable", "cost_nodes"]
@@ -93,6 +94,7 @@ def cost_nodes(
     is the part of each backward peak reached after the node's backward function returned
     (:meth:`profiling.temporaries.FakeAllocationTracker.backward_late_scratch`; None: none known)."""
     late = backward_late_scratch or {}
+    values = {name: rec["result"] for name, rec in records.items()}
     nodes: list[CostNode] = []
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
@@ -144,6 +146,7 @@ def cost_nodes(
                 after_last_save_time_fraction=rec.get("after_last_save_time_fraction") if kind == "compute" else None,
                 viewed_storages=tuple(dict.fromkeys(
                     k for t in rec["input_views"] if (k := table.key(t)) is not None)) if kind == "compute" else (),
+                grad_shared_inputs=grad_shared_inputs(n, values) if kind == "compute" else (),
             )
         )
     return tuple(nodes)

@@ -31,10 +31,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner.core.costgraph import CostNode
 from profiling.cost_nodes import StorageTable
+from profiling.gradient_sharing import is_expanded_view
 from profiling.interpreter import tensors_of
 from profiling.measure import TrainingStep
 
-__all__ = ["CRITERION_NODE", "CriterionRecord", "run_criterion", "criterion_inputs", "criterion_node", "criterion_name"]
+__all__ = ["CRITERION_NODE", "CriterionRecord", "run_criterion", "criterion_inputs", "criterion_node", "criterion_name",
+           "expanded_gradient_inputs"]
 
 #: Name of the criterion's node in the profile (suffixed where the graph already has the name).
 CRITERION_NODE = "loss_fn"
@@ -99,17 +101,46 @@ def criterion_inputs(loss: torch.Tensor, outputs: dict[str, Any]) -> tuple[str, 
     return tuple(name for name in outputs if name in reached)
 
 
+def expanded_gradient_inputs(loss: torch.Tensor, outputs: dict[str, Any], reads: Iterable[str],
+                             only_read_by_the_loss: Iterable[str]) -> tuple[str, ...]:
+    """The output nodes of ``reads`` (name -> value in ``outputs``) whose gradient from
+    ``loss`` is an expanded view of the loss's own (a sum: no buffer of the output's size),
+    among those nothing but the criterion reads (:mod:`profiling.gradient_sharing`); the
+    criterion's backward is run once to see it.
+
+    Example:
+        >>> out = torch.randn(4, 8, requires_grad=True) * 1.0
+        >>> expanded_gradient_inputs(out.sum(), {"out": out}, ["out"], ["out"])
+        ('out',)
+        >>> expanded_gradient_inputs(out.square().mean(), {"out": out}, ["out"], ["out"])
+        ()
+    """
+    alone = set(only_read_by_the_loss)
+    names = [name for name in reads if name in alone]
+    tensors = [(name, t) for name in names for t in tensors_of(outputs[name]) if t.requires_grad]
+    if not tensors or not loss.requires_grad:
+        return ()
+    grads = torch.autograd.grad(loss, [t for _, t in tensors], retain_graph=True, allow_unused=True)
+    expanded: dict[str, bool] = {}
+    for (name, _), grad in zip(tensors, grads):
+        expanded[name] = expanded.get(name, True) and grad is not None and is_expanded_view(grad)
+    return tuple(name for name in names if expanded.get(name))
+
+
 def criterion_node(name: str, record: CriterionRecord, inputs: Iterable[str], table: StorageTable,
-                   forward_peak_bytes: int = 0, backward_peak_bytes: int = 0) -> CostNode:
+                   forward_peak_bytes: int = 0, backward_peak_bytes: int = 0,
+                   expanded_inputs: tuple[str, ...] = ()) -> CostNode:
     """The criterion as a node: reads ``inputs`` (output nodes), makes the loss, saves what
-    autograd saved (the outputs' own storages where it kept them), never recomputed."""
+    autograd saved (the outputs' own storages where it kept them), never recomputed; the
+    gradients of ``expanded_inputs`` are views of the loss's (:func:`expanded_gradient_inputs`)."""
+    inputs = tuple(inputs)
     loss_key = table.key(record.loss)
     saved_keys = [k for t in record.saved if (k := table.key(t)) is not None]
     return CostNode(
         name=name,
         op="loss_fn",
         kind="compute",
-        input_names=tuple(inputs),
+        input_names=inputs,
         output_storages=() if loss_key is None else (loss_key,),
         saved_storages=tuple(dict.fromkeys(saved_keys)),
         output_bytes=record.loss.numel() * record.loss.element_size(),
@@ -119,6 +150,7 @@ def criterion_node(name: str, record: CriterionRecord, inputs: Iterable[str], ta
         recomputable=False,
         forward_peak_bytes=forward_peak_bytes,
         backward_peak_bytes=backward_peak_bytes,
+        grad_shared_inputs=tuple(n for n in expanded_inputs if n in inputs),
     )
 
 

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.core.costgraph import CostGraph, CostNode
 from profiling.cost_nodes import StorageTable, cost_nodes
-from profiling.criterion import criterion_inputs, criterion_name, criterion_node, run_criterion
+from profiling.criterion import criterion_inputs, criterion_name, criterion_node, expanded_gradient_inputs, run_criterion
 from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
@@ -179,7 +179,12 @@ def profile_graph(
         if loss_names:
             criterion = None  # the graph computes the loss itself
         else:
-            reads = criterion_inputs(loss, {name: interp.records[name]["result"] for name in output_names})
+            values = {name: interp.records[name]["result"] for name in output_names}
+            reads = criterion_inputs(loss, values)
+            alone = [n.name for n in gm.graph.nodes if n.name in values and all(u.op == "output" for u in n.users)]
+            # one backward of the criterion alone; not under the fake tracker, whose backward
+            # windows it would widen (there every output gradient counts as a new buffer)
+            expanded = expanded_gradient_inputs(loss, values, reads, alone) if tracker is None else ()
             loss_names, output_names = (loss_node,), (*output_names, loss_node)
         if tracker is not None:  # measured runs take their backward facts from measure_node_peaks
             loss.backward()
@@ -190,7 +195,7 @@ def profile_graph(
         nodes = cost_nodes(gm, interp.records, table, forward_peaks, backward_peaks, tracker.backward_late_scratch())
         if criterion is not None:
             nodes += (criterion_node(loss_node, criterion, reads, table, forward_peaks.get(loss_node, 0),
-                                     backward_peaks.get(loss_node, 0)),)
+                                     backward_peaks.get(loss_node, 0), expanded),)
         step_ms = 3 * sum(n.time_ms for n in nodes)  # with no measured step, forward plus backward is three forwards
         measured_peak_bytes, timing = None, {}
     else:
@@ -199,7 +204,7 @@ def profile_graph(
                  if rec.get("after_last_save_fraction") is not None and 0.0 < rec["after_last_save_fraction"] < 1.0}
         nodes = cost_nodes(gm, interp.records, table, {}, {})  # times and temporaries measured below
         if criterion is not None:  # its temporaries are measured below with the graph's
-            nodes += (criterion_node(loss_node, criterion, reads, table),)
+            nodes += (criterion_node(loss_node, criterion, reads, table, expanded_inputs=expanded),)
         del criterion
         signatures = {name: rec["signature"] for name, rec in interp.records.items()}
         # the profiling run holds every value it made: passes timed beside them ran slower (a

@@ -94,6 +94,11 @@ class CostNode:
             the warm timing passes for nodes with a share strictly between 0 and 1 (CPU
             attention: half its FLOPs but less of its time come after it saves its softmax).
             None: the time share is taken to be ``after_last_save_fraction``.
+        grad_shared_inputs: the inputs whose gradient is this node's output gradient itself,
+            no new buffer: the operands of an add of the output's shape and dtype (its backward
+            passes the gradient on), the input of a full ``sum`` or ``mean`` that nothing else
+            reads (an expanded view of the scalar's gradient). The simulator holds one buffer
+            for them until the last one's gradient is used.
     """
 
     name: str
@@ -117,6 +122,7 @@ class CostNode:
     after_last_save_fraction: float | None = None
     after_last_save_time_fraction: float | None = None
     backward_late_scratch_bytes: int = 0
+    grad_shared_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in ("after_last_save_fraction", "after_last_save_time_fraction"):
@@ -128,6 +134,9 @@ class CostNode:
                              f"got {self.backward_late_scratch_bytes!r}")
         if self.kind not in NODE_KINDS:
             raise ValueError(f"node {self.name!r}: kind must be one of {NODE_KINDS}, got {self.kind!r}")
+        if not set(self.grad_shared_inputs) <= set(self.input_names):
+            raise ValueError(f"node {self.name!r}: grad_shared_inputs must be among its input_names, "
+                             f"got {self.grad_shared_inputs!r}")
 
 
 #: the cached properties of :class:`CostGraph`, derived from its fields and never pickled

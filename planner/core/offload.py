@@ -47,7 +47,8 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Segment
 from planner.core.rerun import rerun_cost
 
-from planner.core.simulate import AboveLimit, MemoryAccount, persistent_bytes, replay_plan, validate_segments
+from planner.core.memory_account import AboveLimit, MemoryAccount
+from planner.core.simulate import persistent_bytes, replay_plan, validate_segments
 
 __all__ = ["OffloadSpec", "HOST_LINKS", "OffloadSimulation", "Transfers", "simulate_offload",
            "offloadable_nodes", "backward_ratio"]

@@ -14,7 +14,7 @@ Example:
     >>> g = CostGraph((w, mm), (Storage(0, 32, True), Storage(1, 64)), output_names=("mm",))
     >>> facts = g.replay_facts
     >>> facts.made[1], facts.saved[1], sorted(facts.returned), facts.input_grads[1]
-    ((1,), (1,), [1], ((('grad', 0), 32),))
+    ((1,), (1,), [1], ((('grad', 0), 32, False),))
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class ReplayFacts:
     the storages whose last reader the node is (not returned). ``grad_key``: each node's
     gradient buffer (tied weights share one). ``differentiable``: the nodes whose outputs
     require grad. ``input_grads``: per node, the buffer and size of each differentiable
-    input's gradient, each input once.
+    input's gradient, each input once, and whether it is the node's output gradient itself
+    (``grad_shared_inputs``).
     """
 
     persistent: frozenset[int]
@@ -60,7 +61,7 @@ class ReplayFacts:
     forward_frees: tuple[tuple[int, ...], ...]
     grad_key: dict[str, object]
     differentiable: frozenset[str]
-    input_grads: tuple[tuple[tuple[object, int], ...], ...]
+    input_grads: tuple[tuple[tuple[object, int, bool], ...], ...]
 
 
 def replay_facts(graph: CostGraph) -> ReplayFacts:
@@ -106,7 +107,7 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
         for n in nodes}
     differentiable = frozenset(n.name for n in nodes if n.requires_grad)
     input_grads = tuple(
-        tuple((grad_key[name], nodes[graph.index[name]].output_bytes)
+        tuple((grad_key[name], nodes[graph.index[name]].output_bytes, name in n.grad_shared_inputs)
               for name in dict.fromkeys(n.input_names) if name in differentiable)
         for n in nodes)
     return ReplayFacts(persistent, value_storages, last_use, returned,

@@ -8,7 +8,9 @@ The replay follows the mechanics of eager autograd with non-reentrant
   backward, no checkpointed segment holds it as an input and the module does not return it.
   Inside a checkpointed segment, saves do not hold memory; the segment keeps its inputs.
 * backward, nodes in reverse: each node allocates the gradients of its differentiable inputs
-  (views pass the gradient through), frees its output gradient and releases what it saved.
+  (views pass the gradient through; the inputs of ``grad_shared_inputs`` hold the output's
+  gradient itself, one buffer for all, which a later gradient is summed into out of place while
+  another still holds it), frees its output gradient and releases what it saved.
   Parameter gradients stay allocated. The first backward node of a segment that needs a
   saved tensor recomputes the segment (up to its last saving node) into fresh storages.
 * temporaries: where the profile measured that a node's forward or backward allocates more
@@ -34,12 +36,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner.core.costgraph import CostGraph
+from planner.core.memory_account import AboveLimit, MemoryAccount
 from planner.core.plan import Segment
 from planner.core.rerun import after_last_save_fraction
 
@@ -87,64 +89,6 @@ def validate_segments(graph: CostGraph, segments: Iterable[Sequence[str]]) -> li
         taken.update(idx)
         out.append(idx)
     return out
-
-
-class AboveLimit(Exception):
-    """Raised by :meth:`MemoryAccount.observe` at the first moment above the replay's limit."""
-
-
-class MemoryAccount:
-    """Reference-counted live storages and the running total.
-
-    With ``limit_bytes`` the replay stops (:class:`AboveLimit`) at the first moment above it;
-    with ``record_timeline=False`` no timeline is kept.
-    """
-
-    def __init__(self, base_bytes: int, *, limit_bytes: float = math.inf, record_timeline: bool = True) -> None:
-        self.live_bytes = base_bytes
-        self.refs: dict[object, int] = {}
-        self.size: dict[object, int] = {}
-        self.peak_bytes = base_bytes
-        self.peak_at: tuple[str, str] = ("start", "")
-        self.limit_bytes = limit_bytes
-        self.timeline: list[tuple[str, str, int]] | None = [] if record_timeline else None
-
-    def alloc(self, key: object, size_bytes: int) -> bool:
-        if key in self.refs:
-            return False
-        self.refs[key] = 0
-        self.size[key] = size_bytes
-        self.live_bytes += size_bytes
-        return True
-
-    def hold(self, key: object) -> None:
-        if key in self.refs:
-            self.refs[key] += 1
-
-    def release(self, key: object) -> None:
-        if key not in self.refs:
-            return
-        self.refs[key] -= 1
-        if self.refs[key] <= 0:
-            self.free(key)
-
-    def free_if_unheld(self, key: object) -> None:
-        if key in self.refs and self.refs[key] <= 0:
-            self.free(key)
-
-    def free(self, key: object) -> None:
-        del self.refs[key]
-        self.live_bytes -= self.size.pop(key)
-
-    def observe(self, phase: str, node: str, extra_bytes: int = 0) -> None:
-        now = self.live_bytes + extra_bytes
-        if self.timeline is not None:
-            self.timeline.append((phase, node, now))
-        if now > self.peak_bytes:
-            self.peak_bytes = now
-            self.peak_at = (phase, node)
-            if now > self.limit_bytes:
-                raise AboveLimit
 
 
 def simulate(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] = ()) -> SimulationResult:
@@ -239,6 +183,8 @@ def peak_by_kind(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] =
         out["inputs" if k in inputs else "parameters and buffers"] += sizes[k].size_bytes
     live, extra_bytes = mem.at_peak
     for key, size in live:
+        if isinstance(key, tuple) and key[0] == "shared":  # a gradient's bytes that two names hold
+            key = key[1]
         if isinstance(key, tuple) and key[0] == "grad":
             out["parameter gradients" if isinstance(key[1], int) else "activation gradients"] += size
         else:
@@ -359,14 +305,26 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
             transient = 0
             new_bytes = 0
             grads_made = False
-            for key, size in facts.input_grads[i]:
-                if key in mem.refs:
+            for key, size, shared in facts.input_grads[i]:
+                if key in mem.refs and mem.is_shared(key):
+                    # autograd sums into a gradient only where no other holds it; else into the
+                    # new one, which becomes this input's own
+                    mem.unshare(key, size)
+                    new_bytes += size
+                elif key in mem.refs:
                     transient += 0 if node.is_alias else size  # summed into the existing buffer
-                elif node.is_alias and not grads_made and own in mem.refs:
-                    mem.alloc(key, 0)  # a view of the output gradient
+                elif shared:
+                    mem.share(key, own)  # the output's gradient passed on: no new buffer
                     mem.hold(key)
-                    mem.size[key] = mem.size[own]
-                    mem.size[own] = 0
+                    grads_made = True
+                elif node.is_alias and not grads_made and own in mem.refs:
+                    if own in mem.buffer_of:  # a view of a gradient another name holds too
+                        mem.share(key, own)
+                    else:  # a view of the output gradient
+                        mem.alloc(key, 0)
+                        mem.size[key] = mem.size[own]
+                        mem.size[own] = 0
+                    mem.hold(key)
                     grads_made = True
                 else:
                     mem.alloc(key, size)
