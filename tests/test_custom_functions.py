@@ -148,3 +148,20 @@ def test_a_call_whose_outputs_are_no_operators_is_refused_by_name(function):
 
     with pytest.raises(TraceError, match=f"custom autograd.Function {function.__name__}, whose outputs are not new"):
         trace_module(Model().train(), (torch.randn(4, 8),))
+
+
+@pytest.mark.slow
+def test_the_captured_graph_compiles_to_what_the_compiled_model_computes():
+    """Under torch.compile the node's Autograd kernel is traced through: the Function's forward
+    and its own backward compile, as Dynamo compiles the Function in the user's model."""
+
+    class Deterministic(_FunctionMLP):
+        def forward(self, x):
+            for ln, up, down in zip(self.ln, self.up, self.down):
+                x = x + down(_TanhGeluScaled.apply(up(ln(x)), 3.0))
+            return x
+
+    torch.manual_seed(0)
+    model, x = Deterministic(layers=2).train(), torch.randn(64, 32)
+    compiled_capture = torch.compile(trace_module(model, (x,)))
+    _assert_bitwise(_step(torch.compile(model), model, x), _step(compiled_capture, model, x))
