@@ -100,10 +100,17 @@ def function_of(key: int) -> type:
     return _CALLS[key].function
 
 
+def _same_call(a: _FunctionCall, b: _FunctionCall) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - constants whose == is no bool (arrays): not known equal
+        return False
+
+
 def _key_of(call: _FunctionCall) -> int:
     what = f"{call.function.__module__}.{call.function.__qualname__}|{call.spec}|{call.constants!r}"
     key = int.from_bytes(hashlib.sha256(what.encode()).digest()[:7], "big")
-    while key in _CALLS and _CALLS[key] != call:  # another class of the same name, or unequal constants
+    while key in _CALLS and not _same_call(_CALLS[key], call):  # another class of the same name
         key += 1
     return key
 

@@ -118,11 +118,11 @@ def test_plans_recompute_the_function_on_the_captured_graph_bit_for_bit_within_b
 class _ViewOfInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return x.view_as(x)
+        return x.t()
 
     @staticmethod
     def backward(ctx, grad):
-        return 2 * grad
+        return grad.t()
 
 
 class _CountToo(torch.autograd.Function):

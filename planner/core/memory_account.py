@@ -76,7 +76,7 @@ class MemoryAccount:
         they are freed when every name is. ``key`` starts unheld, as after :meth:`alloc`."""
         buffer = self.buffer_of.get(existing)
         if buffer is None:
-            buffer = ("shared", existing)
+            buffer = ("shared_bytes", existing)
             self.refs[buffer] = 1
             self.size[buffer] = self.size[existing]
             self.size[existing] = 0

@@ -183,7 +183,7 @@ def peak_by_kind(graph: CostGraph, segments: Iterable[Sequence[str] | Segment] =
         out["inputs" if k in inputs else "parameters and buffers"] += sizes[k].size_bytes
     live, extra_bytes = mem.at_peak
     for key, size in live:
-        if isinstance(key, tuple) and key[0] == "shared":  # a gradient's bytes that two names hold
+        if isinstance(key, tuple) and key[0] == "shared_bytes":  # a gradient's bytes that two names hold
             key = key[1]
         if isinstance(key, tuple) and key[0] == "grad":
             out["parameter gradients" if isinstance(key[1], int) else "activation gradients"] += size
