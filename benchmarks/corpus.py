@@ -38,6 +38,7 @@ from common import GIB, MIB, ROOT, add_docs_argument, benchmark_logging, isolate
 from corpus_models import FAMILIES, SKIPPED, Family
 
 from planner import InfeasibleBudgetError, optimize
+from planner.milp.highs import PlannerHiGHS
 from profiling import StepInputs, TrainingStep, measure_step_flops, measure_step_peak_bytes
 
 log = logging.getLogger("corpus")
@@ -371,11 +372,14 @@ def promises(results: list[FamilyResult]) -> list[tuple[str, list[str], list[str
     return out
 
 
-def markdown(results: list[FamilyResult], where: str, repeats: int, wall_s: float, quick: bool) -> str:
+def markdown(results: list[FamilyResult], where: str, repeats: int, wall_s: float, quick: bool,
+             solver_note: str = "") -> str:
     total = len(results)
     lines = [f"{where}, torch {torch.__version__}, transformers {_transformers_version()}, {total} families, "
              f"{repeats} interleaved timing repeats{', quick (every-layer budget only)' if quick else ''}, "
              f"wall time {wall_s / 60:.1f} min.", ""]
+    if solver_note:
+        lines += [solver_note, ""]
     if SKIPPED:
         lines += ["Skipped (class missing): " + "; ".join(f"{k} ({v})" for k, v in SKIPPED.items()) + ".", ""]
     lines += ["| promise | families | fail |", "|---|---|---|"]
@@ -445,15 +449,20 @@ def main() -> None:
              else f"CPU, {args.threads} thread(s)")
     started = time.perf_counter()
     results = []
+    solver_note = ""
     for name in names:
         result = run_family(FAMILIES[name], device, repeats, targets, options)
         results.append(result)
+        if PlannerHiGHS.abandoned and not solver_note:
+            solver_note = (f"HiGHS abandoned a stuck solve during {name} ({PlannerHiGHS.abandoned[0]}): that family "
+                           "and the ones after it solved with CBC while the stuck solve kept one core busy, so "
+                           "their optimize times and step times are slower than a run without it.")
         head = result.plan("every layer")
         log.info("%s: %s in %.0f s", name, result.error or (
             f"{len(result.plans)} plans, "
             f"{'bit for bit' if all(p.bitwise for p in result.plans) else 'NOT bit for bit'}, "
             f"at every layer {_plan_cell(result, head)}"), result.wall_s)
-    text = markdown(results, where, repeats, time.perf_counter() - started, args.quick)
+    text = markdown(results, where, repeats, time.perf_counter() - started, args.quick, solver_note)
     stem = ("corpus" if device.type == "cpu" else "corpus_cuda") + ("_output_held" if args.output_held else "")
     _write_csv(results, args.out / f"{stem}.csv")
     doc = {"name": stem, "title": "The promises on a corpus of model families no one tuned on"
