@@ -117,3 +117,22 @@ def test_within_the_timing_noise_the_hand_placed_plan_with_fewer_flops_wins():
     assert hand_placed_within_noise(graph, far, budget) is far  # cheaper beyond the noise: kept
     fewer = searched(1.0, -1)
     assert hand_placed_within_noise(graph, fewer, budget) is fewer  # no more FLOPs than the hand plan: kept
+
+
+def test_on_a_profile_timed_on_a_busy_machine_the_noise_is_the_measured_spread():
+    """A profile whose node passes spread by 40 % cannot tell a plan 20 % cheaper from the hand
+    plan: there the hand plan with fewer FLOPs wins; on a quiet profile the search's is kept."""
+    from planner.core.plan import Plan
+    from planner.solvers.hand_policies import HAND_PLAN_TIME_TOLERANCE, hand_placed_within_noise
+
+    quiet = layered(4)
+    busy = dataclasses.replace(quiet, metadata={**quiet.metadata, "timing_spread": 0.4})
+    every = next(h for h in hand_placed_plans(quiet) if h.name == "every layer")
+    budget = simulate(quiet, every.segments).peak_bytes
+    share = 1 / (1 + 2 * HAND_PLAN_TIME_TOLERANCE)  # beyond the fixed tolerance, within the spread
+    segments = tuple(dataclasses.replace(s, recompute_ms=s.recompute_ms * share, recompute_flops=s.recompute_flops + 5)
+                     for s in every.segments)
+    searched = Plan(budget, simulate(quiet, segments).peak_bytes, budget, segments, quiet.forward_ms, quiet.step_ms,
+                    quiet.forward_flops, "search", 0.0)
+    assert hand_placed_within_noise(quiet, searched, budget) is searched
+    assert hand_placed_within_noise(busy, searched, budget).solver.startswith("hand-placed: ")

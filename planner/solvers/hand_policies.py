@@ -38,7 +38,7 @@ from planner.solvers.keep import segment_with_kept
 from planner.solvers.stage_plans import to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
-           "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE",
+           "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE", "timing_spread",
            "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "SAVED_MATMUL_OPS", "HAND_PLACED"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
@@ -233,7 +233,8 @@ HAND_PLAN_TIME_TOLERANCE = 0.1
 def hand_placed_within_noise(graph: CostGraph, plan: Plan, budget_bytes: int,
                              tolerance: float = HAND_PLAN_TIME_TOLERANCE) -> Plan:
     """``plan``, or the hand-placed plan (:func:`hand_placed_plans`) that fits ``budget_bytes``,
-    recomputes fewer FLOPs and is predicted at most ``tolerance`` slower: the fewest FLOPs of
+    recomputes fewer FLOPs and is predicted at most ``tolerance`` slower (or the profile's
+    measured timing spread, where larger: :func:`cheaper_hand_plans`): the fewest FLOPs of
     those, then the least time.
 
     Node times are measured, and a step's time swings by 10 % on a busy machine; FLOPs do not.
@@ -265,11 +266,23 @@ def hand_placed_within_noise(graph: CostGraph, plan: Plan, budget_bytes: int,
                     simulate(graph, best.segments).peak_bytes, f"{HAND_PLACED}: {best.name}", plan.solve_s)
 
 
+def timing_spread(graph: CostGraph) -> float:
+    """How far the profile's timed passes of the step's nodes spread, (slowest - fastest) /
+    median of their totals (``graph.metadata["timing_spread"]``; 0 where not measured).
+
+    Example:
+        >>> timing_spread(CostGraph((), (), metadata={"timing_spread": 0.3})), timing_spread(CostGraph((), ()))
+        (0.3, 0.0)
+    """
+    return float(graph.metadata.get("timing_spread") or 0.0)
+
+
 def cheaper_hand_plans(graph: CostGraph, plan: Plan, peak_limit_bytes: int,
                        tolerance: float = HAND_PLAN_TIME_TOLERANCE) -> list[HandPlan]:
     """The hand-placed plans whose simulated peak is at most ``peak_limit_bytes`` and that cost
-    less than ``plan``: predicted faster, or recomputing fewer FLOPs at most ``tolerance``
-    slower; fewest FLOPs first, then least time.
+    less than ``plan``: predicted faster, or recomputing fewer FLOPs at most ``tolerance`` slower
+    (or, where the profile's node times spread more between their timed passes, that spread:
+    :func:`timing_spread`); fewest FLOPs first, then least time.
 
     Example:
         >>> from planner.core.costgraph import CostNode, Storage
@@ -290,7 +303,7 @@ def cheaper_hand_plans(graph: CostGraph, plan: Plan, peak_limit_bytes: int,
         []
     """
     flops = sum(s.recompute_flops for s in plan.segments)
-    limit_ms = plan.recompute_ms * (1 + tolerance)
+    limit_ms = plan.recompute_ms * (1 + max(tolerance, timing_spread(graph)))
     cheaper = [hand for hand in hand_placed_plans(graph)
                if (hand.recompute_ms < plan.recompute_ms
                    or (sum(s.recompute_flops for s in hand.segments) < flops and hand.recompute_ms <= limit_ms))
