@@ -99,7 +99,7 @@ def step_seconds(module: torch.nn.Module, inputs: StepInputs, device: torch.devi
 
 def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, repeats: int,
                      device: torch.device | str = "cpu", warmup: int = 1,
-                     step: TrainingStep = TrainingStep()) -> list[float]:
+                     step: TrainingStep = TrainingStep(), steps_per_sample: int = 1) -> list[float]:
     """Median over ``repeats`` of each module's step time divided by ``modules[0]``'s.
 
     Every repeat runs each module's step once (interleaved), so slow phases of a shared machine
@@ -107,7 +107,9 @@ def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, rep
     no module always runs after the same neighbour (whose freed memory and cold caches the next
     step inherits: docs/tuning.md#rotated-timing). ``warmup`` untimed rounds run first.
     Gradients are cleared before each step and after the last. ``step`` is the training step
-    timed (a criterion outside the model: ``TrainingStep(loss_fn=...)``).
+    timed (a criterion outside the model: ``TrainingStep(loss_fn=...)``). Each timed sample is
+    ``steps_per_sample`` steps of one module in a row: one step of a few milliseconds swings by
+    10 % or more, a longer sample less.
     """
     device = torch.device(device)
     for _ in range(warmup):
@@ -119,7 +121,7 @@ def step_time_ratios(modules: Sequence[torch.nn.Module], inputs: StepInputs, rep
         times_s = [0.0] * count
         for k in range(count):
             i = (r + k) % count
-            times_s[i] = step_seconds(modules[i], inputs, device, step)
+            times_s[i] = sum(step_seconds(modules[i], inputs, device, step) for _ in range(steps_per_sample))
         for i, t in enumerate(times_s):
             ratios[i].append(t / times_s[0])
     for module in modules:

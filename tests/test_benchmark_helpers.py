@@ -82,6 +82,23 @@ def test_step_time_ratios_rotate_which_module_runs_first() -> None:
     assert ratios[0] == 1.0
 
 
+def test_step_time_ratios_time_several_steps_of_one_module_in_a_row() -> None:
+    order: list[int] = []
+
+    class Tagged(torch.nn.Linear):
+        def __init__(self, tag: int) -> None:
+            super().__init__(4, 4)
+            self.tag = tag
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            order.append(self.tag)
+            return super().forward(x)
+
+    step_time_ratios([Tagged(0), Tagged(1)], StepInputs.from_example((torch.randn(2, 4),)), repeats=2, warmup=0,
+                     steps_per_sample=3)
+    assert order == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+
+
 def test_timed_segments_sees_each_segment_once_forward_and_once_in_the_backward() -> None:
     from recompute_time import timed_segments
 
