@@ -79,9 +79,12 @@ class Family:
     #: how ``every_layer`` checkpoints: ``"hf"`` (``gradient_checkpointing_enable``) or ``"hand"``
     anchor: str = "hf"
 
-    def build(self) -> tuple[nn.Module, Any]:
-        """The model (training mode, seeded) and its example inputs."""
-        return self.builder()
+    def build(self, batch_scale: int = 1) -> tuple[nn.Module, Any]:
+        """The model (training mode, seeded) and its example inputs; ``batch_scale`` repeats
+        every input tensor that many times along its first (batch) dimension, for a step that
+        takes longer (the criteria outside the models repeat their targets to match)."""
+        model, example = self.builder()
+        return model, _repeat_batch(example, batch_scale)
 
     def loss(self, output: Any) -> torch.Tensor:
         """The scalar one training step's backward starts from."""
@@ -90,6 +93,26 @@ class Family:
         from profiling.measure import loss_of
 
         return loss_of(output)
+
+
+def _repeat_batch(example: Any, times: int) -> Any:
+    def repeated(value: Any) -> Any:
+        return torch.cat([value] * times) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+    if times == 1:
+        return example
+    if isinstance(example, dict):
+        return {name: repeated(value) for name, value in example.items()}
+    return tuple(repeated(value) for value in example)
+
+
+def _rows(target: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """``target`` repeated along its first dimension to ``rows`` rows (a batch repeated by
+    :meth:`Family.build`'s ``batch_scale`` repeats its targets the same way)."""
+    if target.shape[0] == rows:
+        return target.to(device)
+    times = -(-rows // target.shape[0])
+    return torch.cat([target] * times)[:rows].to(device)
 
 
 # --------------------------------------------------------------------------- every-layer anchors
@@ -381,7 +404,7 @@ _OUTSIDE_TARGET = _fixed_targets((BATCH, SEQ), VOCAB)
 
 def _criterion_outside_loss(output: Any) -> torch.Tensor:
     logits = output.logits
-    return F.cross_entropy(logits.flatten(0, 1), _OUTSIDE_TARGET.to(logits.device).flatten())
+    return F.cross_entropy(logits.flatten(0, 1), _rows(_OUTSIDE_TARGET, logits.shape[0], logits.device).flatten())
 
 
 def _criterion_outside() -> tuple[nn.Module, dict[str, Any]]:
@@ -478,7 +501,7 @@ _CNN_TARGET = _fixed_targets((8,), 10)
 
 
 def _cnn_loss(logits: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, _CNN_TARGET.to(logits.device))
+    return F.cross_entropy(logits, _rows(_CNN_TARGET, logits.shape[0], logits.device))
 
 
 def _bn_inplace_cnn() -> tuple[nn.Module, tuple[Any, ...]]:
@@ -491,7 +514,7 @@ _MSE_TARGET = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(SE
 
 
 def _mlp_mse_loss(output: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, _MSE_TARGET.to(output.device))
+    return F.mse_loss(output, _rows(_MSE_TARGET, output.shape[0], output.device))
 
 
 def _residual_mlp() -> tuple[nn.Module, tuple[Any, ...]]:

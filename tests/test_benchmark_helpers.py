@@ -169,3 +169,27 @@ def test_isolated_profile_cache_points_the_default_cache_at_a_new_empty_folder(m
     folder = isolated_profile_cache()
     assert resolve_cache_dir(AUTO_CACHE_DIR) == folder and folder.is_dir() and not any(folder.iterdir())
     assert isolated_profile_cache() != folder  # each call its own folder
+
+
+def test_timed_phases_times_each_phase_once_and_restores_the_planner() -> None:
+    import optimize_time
+
+    import planner.budget_plan
+    import planner.planning_steps
+
+    solve_before = planner.planning_steps.plan_for_budget
+    phases: dict[str, float] = {}
+    from planner import optimize
+    from profiling import measure_step_peak_bytes
+
+    model = ResidualMLP(width=64, hidden=256, blocks=4).train()
+    x = torch.randn(256, 64)
+    budget_gb = 0.7 * measure_step_peak_bytes(model, StepInputs.from_example((x,))) / 2**30
+    with optimize_time.timed_phases(phases):
+        assert planner.planning_steps.plan_for_budget is not solve_before
+        opt = optimize(model, (x,), budget_gb=budget_gb, timing_repeats=1, cache_dir=None)
+    assert opt.plan.segments
+    assert {"capture", "profile", "solve", "measure", "rewrite"} <= set(phases)
+    assert all(s > 0 for s in phases.values())
+    assert planner.planning_steps.plan_for_budget is solve_before
+    assert planner.budget_plan.plan_for_budget.__module__ == "planner.budget_plan"

@@ -20,6 +20,10 @@ from corpus_models import FAMILIES, GROUPS, SKIPPED  # noqa: E402
 from planner import optimize  # noqa: E402
 from profiling import StepInputs, TrainingStep, measure_step_flops, measure_step_peak_bytes  # noqa: E402
 
+def _call(model: torch.nn.Module, inputs: StepInputs) -> object:
+    return model(*inputs.args, **inputs.kwargs)
+
+
 FAST = {"timing_repeats": 1, "max_stages": 12}
 #: one family per group, and the patterns whose shape the planner must see through
 SLICE = ["gpt_neox", "bert", "bart", "vit", "interleaved", "criterion_outside", "bn_inplace_cnn"]
@@ -66,3 +70,18 @@ def test_promises_at_every_layers_peak(name: str, cache_dir: str) -> None:
     assert same, f"{name}: {what} differ"
     extra_flops = measure_step_flops(opt, inputs, step=step) - base_flops
     assert extra_flops <= every_extra_flops, (extra_flops, every_extra_flops)
+
+
+@pytest.mark.parametrize("name", ["criterion_outside", "bn_inplace_cnn", "residual_mlp", "dict_outputs", "whisper"])
+def test_a_repeated_batch_steps_with_the_familys_own_criterion(name: str) -> None:
+    """``build(batch_scale)`` repeats every input along its batch dimension, and a criterion
+    outside the model repeats its target to match: the loss equals the unrepeated batch's."""
+    family = FAMILIES[name]
+    model, example = family.build()
+    _, repeated = family.build(3)
+    flat, flat_repeated = StepInputs.from_example(example).tensors(), StepInputs.from_example(repeated).tensors()
+    assert [t.shape[0] * 3 for t in flat if t.dim()] == [t.shape[0] for t in flat_repeated if t.dim()]
+    model.eval()  # no dropout: the same rows give the same loss
+    loss = family.loss(_call(model, StepInputs.from_example(example)))
+    loss_repeated = family.loss(_call(model, StepInputs.from_example(repeated)))
+    assert torch.allclose(loss, loss_repeated, rtol=1e-4, atol=1e-6), (loss, loss_repeated)
