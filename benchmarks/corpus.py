@@ -271,7 +271,8 @@ def _measure_family(family: Family, device: torch.device, repeats: int, targets:
                                                for _ in range(max(3, repeats)))
         ratios = step_time_ratios([m for _, m in timed], inputs, repeats, device, step=step,
                                   steps_per_sample=STEPS_PER_SAMPLE)
-        result.captured_step_time = step_time_ratios([model, captured], inputs, CAPTURED_SAMPLES_PER_REPEAT * repeats, device, step=step,
+        result.captured_step_time = step_time_ratios([model, captured], inputs, CAPTURED_SAMPLES_PER_REPEAT * repeats,
+                                                     device, step=step,
                                                      steps_per_sample=CAPTURED_STEPS_PER_SAMPLE)[1]
     result.every_step_time = ratios[1]
     for (row, _), ratio in zip(timed[2:], ratios[2:]):

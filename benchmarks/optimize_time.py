@@ -6,8 +6,8 @@ after), then ``optimize(model, inputs, budget_gb=...)`` at default settings, at 
 70 % of the measured unoptimized peak, timed whole and by phase: capture
 (``profiling.trace.trace_module``), profile (``profiling.cache.cached_profile_graph``: the
 profiling run, the warm timing passes, the per-node temporaries and the step's peak), solve
-(``planner.budget_plan.plan_for_budget``, every solve of the call), measure (the measured checks
-of a plan near its budget, ``measure_step_peak_bytes``), rewrite (``apply_plan``) and the rest.
+(``planner.budget_plan.plan_for_budget``, every solve of the call), measure (the measured steps,
+``measure_step_peak_bytes``: the unoptimized step against the budget, then the plan's check), rewrite (``apply_plan``) and the rest.
 The bar: everything but the solve within 6 unoptimized steps, the solve under 10 s.
 
 ``--corpus`` times the same call on every family of ``benchmarks/corpus_models.py`` (each with
@@ -68,8 +68,8 @@ How to read it:
 - *step*: the unoptimized training step (forward, loss, backward), median of warm steps timed in
   the same process, half before the call and half after.
 - *capture* to *rewrite*: wall-clock seconds of each phase of one `optimize` call at default
-  settings (*solve*: every solve of the call; *measure*: the measured steps that check a plan
-  near its budget), at {BUDGET_FRACTION:.0%} of the measured unoptimized peak; *rest*: the call's time outside them
+  settings (*solve*: every solve of the call; *measure*: the measured steps, the unoptimized
+  step against the budget and then the plan's), at {BUDGET_FRACTION:.0%} of the measured unoptimized peak; *rest*: the call's time outside them
   (checks, the wrapper). Each model runs in a fresh process, so the first capture pays the
   imports a user's first call pays, and with an empty profile cache, as a first call on a machine
   (a later call of the same model reads its profile: no *profile* time). A budget below every

@@ -63,20 +63,23 @@ def test_step_time_ratios_are_relative_to_the_first_module() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+class _Tagged(torch.nn.Linear):
+    """A linear layer that appends its tag to ``order`` each time it runs."""
+
+    def __init__(self, tag: int, order: list[int]) -> None:
+        super().__init__(4, 4)
+        self.tag = tag
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.order.append(self.tag)
+        return super().forward(x)
+
+
 def test_step_time_ratios_rotate_which_module_runs_first() -> None:
     """Repeat r starts at module r % n: no module always runs after the same neighbour."""
     order: list[int] = []
-
-    class Tagged(torch.nn.Linear):
-        def __init__(self, tag: int) -> None:
-            super().__init__(4, 4)
-            self.tag = tag
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            order.append(self.tag)
-            return super().forward(x)
-
-    ratios = step_time_ratios([Tagged(0), Tagged(1), Tagged(2)], StepInputs.from_example((torch.randn(2, 4),)),
+    ratios = step_time_ratios([_Tagged(i, order) for i in range(3)], StepInputs.from_example((torch.randn(2, 4),)),
                               repeats=3, warmup=0)
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
     assert ratios[0] == 1.0
@@ -84,18 +87,8 @@ def test_step_time_ratios_rotate_which_module_runs_first() -> None:
 
 def test_step_time_ratios_time_several_steps_of_one_module_in_a_row() -> None:
     order: list[int] = []
-
-    class Tagged(torch.nn.Linear):
-        def __init__(self, tag: int) -> None:
-            super().__init__(4, 4)
-            self.tag = tag
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            order.append(self.tag)
-            return super().forward(x)
-
-    step_time_ratios([Tagged(0), Tagged(1)], StepInputs.from_example((torch.randn(2, 4),)), repeats=2, warmup=0,
-                     steps_per_sample=3)
+    step_time_ratios([_Tagged(i, order) for i in range(2)], StepInputs.from_example((torch.randn(2, 4),)), repeats=2,
+                     warmup=0, steps_per_sample=3)
     assert order == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]
 
 
