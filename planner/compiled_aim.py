@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.costgraph import CostGraph
-from planner.core.plan import Plan
+from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
+from planner.core.matmul_ops import SAVED_MATMUL_OPS, compiled_saved_ops
 from planner.solvers.hand_policies import HAND_PLACED, hand_placed_plans
 from planner.solvers.stage_plans import to_plan
 
@@ -107,13 +108,30 @@ def within_bracket(target_bytes: int, pairs: Sequence[PeakPair], room_bytes: int
     return target_bytes if low < target_bytes < high else (low + high) // 2
 
 
+def _compiles(graph: CostGraph, segment: Segment) -> bool:
+    """Whether a compiled step can honour ``segment``: it keeps nothing, or only matmul-like
+    outputs whose operators it never recomputes (a policy by operator, which the compiled graph
+    traces: :func:`planner.core.matmul_ops.compiled_saved_ops`)."""
+    if not segment.kept_nodes:
+        return True
+    kept = set(segment.kept_nodes)
+    ops = {n: graph.node(n).op for n in segment.node_names}
+    if any(ops[n] not in SAVED_MATMUL_OPS for n in kept):
+        return False
+    recomputed = [op for n, op in ops.items() if n not in kept and op in SAVED_MATMUL_OPS]
+    return compiled_saved_ops([ops[n] for n in kept], recomputed) is not None
+
+
 def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_bytes: int, budget_bytes: int,
                           limit: int = MAX_COMPILED_HAND_PLANS) -> list[Plan]:
-    """The hand-placed plans (:func:`planner.solvers.hand_policies.hand_placed_plans`, whole
-    segments only: compiled steps run no selective policy) most likely to compile into
+    """The hand-placed plans (:func:`planner.solvers.hand_policies.hand_placed_plans`: whole
+    segments, or segments keeping exactly their matmul outputs, the one selective policy a
+    compiled step runs) most likely to compile into
     ``room_bytes``, at most ``limit``, as plans for ``budget_bytes``: those whose eager peak is
     below the lowest eager prediction that measured over the room, nearest first to the eager
-    peak the measured ``pairs`` expect to compile to the room (:func:`eager_target_bytes`).
+    peak the measured ``pairs`` expect to compile to the room (:func:`eager_target_bytes`),
+    except that the matmul-keeping plan of least recompute at or below that peak comes first
+    (compiled, its recomputed pointwise ops fuse into the backward's kernels).
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -134,11 +152,11 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     over = [p.eager_predicted_bytes for p in pairs if p.compiled_measured_bytes > room_bytes]
     ceiling = min(over) if over else None
     aim = eager_target_bytes(pairs, room_bytes, graph.persistent_bytes) if pairs else unoptimized
-    seen: set[tuple[tuple[str, ...], ...]] = set()
+    seen: set[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = set()
     ranked: list[tuple[int, int, str, Plan]] = []
     for hand in hand_placed_plans(graph):
-        key = tuple(s.node_names for s in hand.segments)
-        if not hand.segments or any(s.kept_nodes for s in hand.segments) or key in seen:
+        key = tuple((s.node_names, s.kept_nodes) for s in hand.segments)
+        if not hand.segments or not all(_compiles(graph, s) for s in hand.segments) or key in seen:
             continue
         seen.add(key)
         peak = simulate(graph, hand.segments).peak_bytes
@@ -146,4 +164,11 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
             continue
         plan = to_plan(graph, list(hand.segments), budget_bytes, unoptimized, peak, f"{HAND_PLACED}: {hand.name}", 0.0)
         ranked.append((abs(peak - aim), len(ranked), hand.name, plan))
-    return [plan for *_, plan in sorted(ranked)[:limit]]
+    ordered = sorted(ranked)
+    # compiled, recomputing pointwise ops around saved matmul outputs costs little (they fuse
+    # into the backward's kernels): the cheapest such plan expected to fit goes first
+    keeping = [r for r in ordered if any(s.kept_nodes for s in r[3].segments) and r[3].predicted_peak_bytes <= aim]
+    if keeping:
+        first = min(keeping, key=lambda r: r[3].recompute_ms)
+        ordered = [first, *(r for r in ordered if r is not first)]
+    return [plan for *_, plan in ordered[:limit]]

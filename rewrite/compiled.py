@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -43,18 +44,23 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from planner.core.errors import InputError, PlannerError
 from planner.core.options import COMPILE_BACKEND
 from profiling.interpreter import step_timer
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
-from rewrite.segments import CheckpointedSegment, checkpointed_call
+from planner.core.matmul_ops import SAVED_MATMUL_OPS, compiled_saved_ops
+from rewrite.segments import CheckpointedSegment, _enter_kept_node, _leave_kept_node, checkpointed_call
 
 __all__ = [
     "COMPILE_BACKEND",
     "CompiledStep",
     "check_compile_available",
+    "checkpointed_matmuls_kept",
     "checkpointed_traceable",
+    "MatmulsKeptSegment",
+    "matmuls_kept_segment",
     "compile_step",
     "compiled_runner",
     "compiled_step_peak_bytes",
@@ -99,19 +105,76 @@ def checkpointed_traceable(segment: CheckpointedSegment, *args: Any) -> Any:
                                              preserve_rng_state=True)
 
 
+class MatmulsKeptSegment:
+    """A segment that keeps matmul-like outputs (the save-matmuls policy,
+    :data:`planner.core.matmul_ops.SAVED_MATMUL_OPS`), in a form Dynamo traces: its graph
+    without the eager policy's markers, and a policy that decides by operator, saving
+    ``saved_ops`` (which AOTAutograd's partitioner receives as ``MUST_SAVE`` /
+    ``PREFER_RECOMPUTE`` tags)."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, saved_ops: frozenset[str]) -> None:
+        self.graph_module = graph_module
+        self.saved_ops = saved_ops
+        # plain partials, not bound methods: Dynamo calls the context function while tracing
+        self.context = functools.partial(create_selective_checkpoint_contexts,
+                                         functools.partial(_save_by_operator, saved_ops))
+
+
+def _save_by_operator(saved_ops: frozenset[str], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if str(op) in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def matmuls_kept_segment(segment: CheckpointedSegment) -> MatmulsKeptSegment | None:
+    """``segment`` as a :class:`MatmulsKeptSegment` where it keeps only matmul-like outputs
+    whose operators it never recomputes
+    (:func:`planner.core.matmul_ops.compiled_saved_ops`), else None: a policy by
+    operator would keep other outputs than the plan."""
+    nodes = list(segment.graph_module.graph.nodes)
+    ops = {n.name: str(n.target) for n in nodes if n.op == "call_function"}
+    kept = set(segment.kept_nodes)
+    if not kept or any(ops.get(name) not in SAVED_MATMUL_OPS for name in kept):
+        return None
+    saved = compiled_saved_ops([ops[name] for name in kept],
+                               [op for name, op in ops.items() if name not in kept and op in SAVED_MATMUL_OPS])
+    if saved is None:
+        return None
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in nodes[1:]:  # the first placeholder is the segment the eager markers set
+        if node.op == "call_function" and node.target in (_enter_kept_node, _leave_kept_node):
+            continue
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    return MatmulsKeptSegment(torch.fx.GraphModule(segment.graph_module, graph), saved)
+
+
+def checkpointed_matmuls_kept(segment: MatmulsKeptSegment, *args: Any) -> Any:
+    """:func:`checkpointed_traceable` for a segment that keeps its matmul outputs."""
+    if not torch.is_grad_enabled():
+        return segment.graph_module(*args)
+    return torch.utils.checkpoint.checkpoint(segment.graph_module, *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=segment.context)
+
+
 def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Point ``gm``'s checkpointed segment calls at :func:`checkpointed_traceable`, in place;
-    returns ``gm``. A segment with a selective policy (kept outputs) raises
+    returns ``gm``. A segment that keeps matmul outputs runs under a policy by operator where
+    one can keep them (:class:`MatmulsKeptSegment`); one that keeps other outputs raises
     :class:`PlannerError`: its policy reads markers the graph sets as it runs, which a compiled
     graph does not run."""
     changed = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is checkpointed_call:
-            segment = getattr(gm, str(node.args[0].target))
+            attr = str(node.args[0].target)
+            segment = getattr(gm, attr)
             if segment.kept_nodes:
-                raise PlannerError(f"segment {node.args[0].target} keeps outputs under a selective policy, which "
-                                   f"compile=True does not trace; plan with selective=False")
-            node.target = checkpointed_traceable
+                kept_by_op = matmuls_kept_segment(segment)
+                if kept_by_op is None:
+                    raise PlannerError(f"segment {attr} keeps outputs under a selective policy, which "
+                                       f"compile=True does not trace; plan with selective=False")
+                setattr(gm, attr, kept_by_op)
+                node.target = checkpointed_matmuls_kept
+            else:
+                node.target = checkpointed_traceable
             changed += 1
     if changed:
         gm.recompile()

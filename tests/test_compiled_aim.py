@@ -92,14 +92,32 @@ def test_hand_plans_to_compile_skip_those_above_a_plan_that_measured_over_the_ro
     assert hand_plans_to_compile(graph, pairs, 800, 800, limit=0) == []
 
 
-def test_hand_plans_to_compile_take_whole_segments_only() -> None:
-    """The save-matmuls policy keeps outputs inside its segments, which a compiled step cannot."""
+def test_hand_plans_to_compile_keep_matmul_outputs_only_where_an_operator_policy_can() -> None:
+    """Compiled, a segment keeps outputs by operator: the save-matmuls plans are candidates
+    (the cheapest one expected to fit first), unless a kept matmul decomposes into an operator
+    the segment also recomputes."""
+    import dataclasses
+
     from planner.compiled_aim import hand_plans_to_compile
     from planner.core.simulate import simulate
     from planner.solvers.hand_policies import hand_placed_plans
 
     graph = _four_layers(matmuls=True)
     assert any(s.kept_nodes for hand in hand_placed_plans(graph) for s in hand.segments)
-    plans = hand_plans_to_compile(graph, [PeakPair(simulate(graph).peak_bytes, 900)], 800, 800, limit=20)
-    assert plans and all(not s.kept_nodes for p in plans for s in p.segments)
+    pairs = [PeakPair(simulate(graph).peak_bytes, 900)]
+    plans = hand_plans_to_compile(graph, pairs, 800, 800, limit=20)
+    kept = [p for p in plans if any(s.kept_nodes for s in p.segments)]
+    assert kept and all(graph.node(n).op == "aten.addmm.default" for p in kept for s in p.segments
+                        for n in s.kept_nodes)
     assert len({p.segments for p in plans}) == len(plans)
+    aim = 975  # the eager peak the pair expects to compile to the room
+    fitting = [p for p in kept if p.predicted_peak_bytes <= aim]
+    assert fitting and plans[0] is min(fitting, key=lambda p: p.recompute_ms)
+
+    # a kept linear runs as mm compiled: with an mm recomputed beside it, no operator policy
+    clash = dataclasses.replace(graph, nodes=tuple(
+        dataclasses.replace(n, op="aten.linear.default") if n.op == "aten.addmm.default"
+        else dataclasses.replace(n, op="aten.mm.default", selective_save=False) if n.op == "aten.relu.default"
+        else n for n in graph.nodes))
+    assert any(s.kept_nodes for hand in hand_placed_plans(clash) for s in hand.segments)
+    assert all(not s.kept_nodes for p in hand_plans_to_compile(clash, pairs, 800, 800, limit=20) for s in p.segments)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.costgraph import CostGraph
+from planner.core.matmul_ops import SAVED_MATMUL_OPS
 from planner.core.plan import Plan, Segment
 from planner.core.simulate import fits_budget, simulate
 from planner.solvers.block_structure import structural_blocks
@@ -39,7 +40,7 @@ from planner.solvers.stage_plans import to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
            "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE", "timing_spread",
-           "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "SAVED_MATMUL_OPS", "HAND_PLACED"]
+           "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "HAND_PLACED"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
@@ -54,15 +55,6 @@ EVERY_KTH_LAYER_MAX_K = 4
 #: solve replays at most 2 * EVERY_KTH_LAYER_MAX_K * MAX_BLOCK_DECOMPOSITIONS = 24 hand-placed
 #: plans, one replay each (docs/tuning.md#max_block_decompositions).
 MAX_BLOCK_DECOMPOSITIONS = 3
-
-#: What the save-matmuls policy keeps in a checkpointed layer (docs/tuning.md#saved_matmul_ops).
-SAVED_MATMUL_OPS = frozenset({
-    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
-    "aten.matmul.default", "aten.scaled_dot_product_attention.default",
-    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
-})
-
 
 @dataclass(frozen=True)
 class HandPlan:
