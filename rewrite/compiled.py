@@ -57,7 +57,6 @@ __all__ = [
     "COMPILE_BACKEND",
     "CompiledStep",
     "check_compile_available",
-    "checkpointed_matmuls_kept",
     "checkpointed_traceable",
     "MatmulsKeptSegment",
     "matmuls_kept_segment",
@@ -94,15 +93,6 @@ def check_compile_available() -> None:
     if not dynamo.is_dynamo_supported():
         raise InputError(f"compile=True needs torch.compile, which is not supported on this platform "
                          f"(torch {torch.__version__}); pass compile=False")
-
-
-def checkpointed_traceable(segment: CheckpointedSegment, *args: Any) -> Any:
-    """``segment`` under non-reentrant checkpoint, traceable by Dynamo (no ``compiler.disable``):
-    compiled, its ops are recomputed in the backward inside the one graph."""
-    if not torch.is_grad_enabled():
-        return segment.graph_module(*args)
-    return torch.utils.checkpoint.checkpoint(segment.graph_module, *args, use_reentrant=False,
-                                             preserve_rng_state=True)
 
 
 class MatmulsKeptSegment:
@@ -147,12 +137,15 @@ def matmuls_kept_segment(segment: CheckpointedSegment) -> MatmulsKeptSegment | N
     return MatmulsKeptSegment(torch.fx.GraphModule(segment.graph_module, graph), saved)
 
 
-def checkpointed_matmuls_kept(segment: MatmulsKeptSegment, *args: Any) -> Any:
-    """:func:`checkpointed_traceable` for a segment that keeps its matmul outputs."""
+def checkpointed_traceable(segment: CheckpointedSegment | MatmulsKeptSegment, *args: Any) -> Any:
+    """``segment`` under non-reentrant checkpoint, traceable by Dynamo (no ``compiler.disable``):
+    compiled, its ops are recomputed in the backward inside the one graph, except the outputs a
+    :class:`MatmulsKeptSegment` keeps."""
     if not torch.is_grad_enabled():
         return segment.graph_module(*args)
+    policy = {"context_fn": segment.context} if isinstance(segment, MatmulsKeptSegment) else {}
     return torch.utils.checkpoint.checkpoint(segment.graph_module, *args, use_reentrant=False,
-                                             preserve_rng_state=True, context_fn=segment.context)
+                                             preserve_rng_state=True, **policy)
 
 
 def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -172,9 +165,7 @@ def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     raise PlannerError(f"segment {attr} keeps outputs under a selective policy, which "
                                        f"compile=True does not trace; plan with selective=False")
                 setattr(gm, attr, kept_by_op)
-                node.target = checkpointed_matmuls_kept
-            else:
-                node.target = checkpointed_traceable
+            node.target = checkpointed_traceable
             changed += 1
     if changed:
         gm.recompile()

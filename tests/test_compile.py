@@ -17,7 +17,7 @@ from planner.compiled_plan import compile_backend_of
 from planner.core.errors import InputError
 from planner.core.plan import Plan, Segment
 from profiling import StepInputs, measure_step_peak_bytes
-from rewrite.compiled import checkpointed_matmuls_kept, checkpointed_traceable, graph_break_count, traceable_segments
+from rewrite.compiled import MatmulsKeptSegment, checkpointed_traceable, graph_break_count, traceable_segments
 from rewrite.segments import checkpointed_call
 
 FAST = {"timing_repeats": 1, "max_stages": 12}
@@ -114,9 +114,10 @@ def test_traceable_segments_keep_matmul_outputs_by_operator_and_refuse_other_kep
     matmul = apply_plan(gm, Plan(0, 0, 0, (Segment(tuple(names[:3]), 0.0, 0, kept_nodes=(up,)),),
                                  0.0, 0.0, 0, "none", 0.0))
     traceable_segments(matmul)
-    targets = [n.target for n in matmul.graph.nodes if n.op == "call_function"]
-    assert checkpointed_matmuls_kept in targets and checkpointed_call not in targets
-    segment = next(getattr(matmul, n.args[0].target) for n in matmul.graph.nodes if n.target is checkpointed_matmuls_kept)
+    calls = [n for n in matmul.graph.nodes if n.op == "call_function" and n.target is checkpointed_traceable]
+    assert len(calls) == 1 and checkpointed_call not in [n.target for n in matmul.graph.nodes]
+    segment = getattr(matmul, calls[0].args[0].target)
+    assert isinstance(segment, MatmulsKeptSegment)
     assert {"aten.linear.default", "aten.addmm.default", "aten.mm.default"} == set(segment.saved_ops)
 
 
