@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
-from planner.core.matmul_ops import SAVED_MATMUL_OPS, compiled_saved_ops
+from planner.core.matmul_ops import segment_saved_ops
 from planner.solvers.hand_policies import HAND_PLACED, hand_placed_plans
 from planner.solvers.stage_plans import to_plan
 
@@ -111,15 +111,10 @@ def within_bracket(target_bytes: int, pairs: Sequence[PeakPair], room_bytes: int
 def _compiles(graph: CostGraph, segment: Segment) -> bool:
     """Whether a compiled step can honour ``segment``: it keeps nothing, or only matmul-like
     outputs whose operators it never recomputes (a policy by operator, which the compiled graph
-    traces: :func:`planner.core.matmul_ops.compiled_saved_ops`)."""
+    traces: :func:`planner.core.matmul_ops.segment_saved_ops`)."""
     if not segment.kept_nodes:
         return True
-    kept = set(segment.kept_nodes)
-    ops = {n: graph.node(n).op for n in segment.node_names}
-    if any(ops[n] not in SAVED_MATMUL_OPS for n in kept):
-        return False
-    recomputed = [op for n, op in ops.items() if n not in kept and op in SAVED_MATMUL_OPS]
-    return compiled_saved_ops([ops[n] for n in kept], recomputed) is not None
+    return segment_saved_ops({n: graph.node(n).op for n in segment.node_names}, segment.kept_nodes) is not None
 
 
 def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_bytes: int, budget_bytes: int,

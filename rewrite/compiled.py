@@ -50,7 +50,7 @@ from planner.core.errors import InputError, PlannerError
 from planner.core.options import COMPILE_BACKEND
 from profiling.interpreter import step_timer
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
-from planner.core.matmul_ops import SAVED_MATMUL_OPS, compiled_saved_ops
+from planner.core.matmul_ops import segment_saved_ops
 from rewrite.segments import CheckpointedSegment, _enter_kept_node, _leave_kept_node, checkpointed_call
 
 __all__ = [
@@ -117,15 +117,11 @@ def _save_by_operator(saved_ops: frozenset[str], ctx: Any, op: Any, *args: Any, 
 def matmuls_kept_segment(segment: CheckpointedSegment) -> MatmulsKeptSegment | None:
     """``segment`` as a :class:`MatmulsKeptSegment` where it keeps only matmul-like outputs
     whose operators it never recomputes
-    (:func:`planner.core.matmul_ops.compiled_saved_ops`), else None: a policy by
+    (:func:`planner.core.matmul_ops.segment_saved_ops`), else None: a policy by
     operator would keep other outputs than the plan."""
     nodes = list(segment.graph_module.graph.nodes)
     ops = {n.name: str(n.target) for n in nodes if n.op == "call_function"}
-    kept = set(segment.kept_nodes)
-    if not kept or any(ops.get(name) not in SAVED_MATMUL_OPS for name in kept):
-        return None
-    saved = compiled_saved_ops([ops[name] for name in kept],
-                               [op for name, op in ops.items() if name not in kept and op in SAVED_MATMUL_OPS])
+    saved = segment_saved_ops(ops, segment.kept_nodes)
     if saved is None:
         return None
     graph = torch.fx.Graph()

@@ -8,9 +8,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
-__all__ = ["SAVED_MATMUL_OPS", "compiled_saved_ops"]
+__all__ = ["SAVED_MATMUL_OPS", "compiled_saved_ops", "segment_saved_ops"]
 
 #: What the save-matmuls policy keeps in a checkpointed layer (docs/tuning.md#saved_matmul_ops).
 SAVED_MATMUL_OPS = frozenset({
@@ -46,3 +46,20 @@ def compiled_saved_ops(kept_ops: Iterable[str], recomputed_ops: Iterable[str]) -
     saved = frozenset(op for kept in kept_ops for op in _COMPILED_AS.get(kept, (kept,)))
     recomputed = frozenset(op for other in recomputed_ops for op in _COMPILED_AS.get(other, (other,)))
     return None if saved & recomputed else saved
+
+
+def segment_saved_ops(ops: Mapping[str, str], kept: Collection[str]) -> frozenset[str] | None:
+    """What a compiled policy by operator saves for a segment whose nodes run ``ops`` (node name
+    -> operator name) and keep the outputs of ``kept``: None where ``kept`` is empty, holds a
+    node that is not matmul-like, or one operator would stand for a kept and a recomputed node.
+
+    Example:
+        >>> sorted(segment_saved_ops({"a": "aten.addmm.default", "b": "aten.relu.default"}, {"a"}))
+        ['aten.addmm.default']
+        >>> segment_saved_ops({"a": "aten.addmm.default", "b": "aten.relu.default"}, {"b"}) is None
+        True
+    """
+    if not kept or any(ops.get(name) not in SAVED_MATMUL_OPS for name in kept):
+        return None
+    return compiled_saved_ops([ops[name] for name in kept],
+                              [op for name, op in ops.items() if name not in kept and op in SAVED_MATMUL_OPS])
