@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 #: With ``world_size`` > 1 and ``fully_shard`` on submodules, the plan holds this many times the
 #: largest unit's parameter bytes for FSDP2's buffers: the unit running (all-gather buffer and
 #: gathered parameters, in backward its unsharded gradients and their reduce-scatter copy) and
-#: the one prefetched (all-gather buffer and gathered parameters). Measured per rank (2 ranks,
-#: gloo, 4- and 8-block MLPs): 1.0 to 3.7 units above the sharded step's prediction.
-FSDP_UNITS_IN_FLIGHT = 4
+#: the one prefetched (all-gather buffer and gathered parameters), and the collectives' own
+#: buffers, whose lifetimes depend on when the communication threads run: docs/tuning.md
+#: (FSDP_UNITS_IN_FLIGHT) has the measured spread.
+FSDP_UNITS_IN_FLIGHT = 5
 
 
 #: Builds the variant for inputs that were not planned: ``(model, inputs, cost_graph, grads_held)``
