@@ -5,9 +5,10 @@ unoptimized training step's time (median of warm steps, half taken before the ca
 after), then ``optimize(model, inputs, budget_gb=...)`` at default settings, at a budget of
 70 % of the measured unoptimized peak, timed whole and by phase: capture
 (``profiling.trace.trace_module``), profile (``profiling.cache.cached_profile_graph``: the
-profiling run, the warm timing passes, the per-node temporaries and the step's peak), solve
-(``planner.budget_plan.plan_for_budget``, every solve of the call), measure (the measured steps,
-``measure_step_peak_bytes``: the unoptimized step against the budget, then the plan's check), rewrite (``apply_plan``) and the rest.
+profiling run and the warm timing passes), solve (``planner.budget_plan.plan_for_budget``, every
+solve of the call), measure (the measured steps: ``measure_unoptimized_step``, the unoptimized
+step against the budget, which is also the profile's per-node temporaries and the step's peak,
+then ``measure_step_peak_bytes``, the plan's check), rewrite (``apply_plan``) and the rest.
 The bar: everything but the solve within 6 unoptimized steps, the solve under 10 s.
 
 ``--corpus`` times the same call on every family of ``benchmarks/corpus_models.py`` (each with
@@ -54,9 +55,9 @@ MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
     "bert": ("BERT, 4 layers, width 256, batch 8 x 256", example_models.bert),
 }
 
-#: the function each phase of ``optimize`` runs, by name, wherever a planner module imported it
-PHASE_FUNCTIONS = {"capture": "trace_module", "profile": "cached_profile_graph", "solve": "plan_for_budget",
-                   "measure": "measure_step_peak_bytes", "rewrite": "apply_plan"}
+#: the functions each phase of ``optimize`` runs, by name, wherever a planner module imported them
+PHASE_FUNCTIONS = {"capture": ("trace_module",), "profile": ("cached_profile_graph",), "solve": ("plan_for_budget",),
+                   "measure": ("measure_step_peak_bytes", "measure_unoptimized_step"), "rewrite": ("apply_plan",)}
 PHASES = tuple(PHASE_FUNCTIONS)
 MAX_STEPS_BESIDE_SOLVE = 6
 MAX_SOLVE_S = 10.0
@@ -69,7 +70,7 @@ How to read it:
   the same process, half before the call and half after.
 - *capture* to *rewrite*: wall-clock seconds of each phase of one `optimize` call at default
   settings (*solve*: every solve of the call; *measure*: the measured steps, the unoptimized
-  step against the budget and then the plan's), at {BUDGET_FRACTION:.0%} of the measured unoptimized peak; *rest*: the call's time outside them
+  step against the budget, which is also the profile's memory pass, and then the plan's), at {BUDGET_FRACTION:.0%} of the measured unoptimized peak; *rest*: the call's time outside them
   (checks, the wrapper). Each model runs in a fresh process, so the first capture pays the
   imports a user's first call pays, and with an empty profile cache, as a first call on a machine
   (a later call of the same model reads its profile: no *profile* time). A budget below every
@@ -77,9 +78,11 @@ How to read it:
   names, as a user would: both calls are timed together (the second reads the first's profile).
 - *beside the solve*: the call's time less the solve, in unoptimized steps. Bar: at most
   {MAX_STEPS_BESIDE_SOLVE} steps beside the solve, and the solve under {MAX_SOLVE_S:.0f} s.
-- Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), one step under the
-  memory profiler (per-node temporaries and the step's peak), then the warm timing passes
-  (`timing_repeats` = 2, more while they spread by over 25 %; the step's time is taken from them).
+- Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), then the warm
+  timing passes (`timing_repeats` = 2, more while they spread by over 25 %, the first dropped
+  once where it is the slowest; the step's time is taken from them). The step under the memory
+  profiler (per-node temporaries and the step's peak) is the measured unoptimized step, under
+  *measure*.
 - Times are wall clock on a shared 2-core machine: a busy neighbour lengthens the step and the
   call alike, so the ratio moves less than either.
 """
@@ -120,10 +123,11 @@ def timed_phases(phases: dict[str, float]) -> Iterator[None]:
     for module_name, module in list(sys.modules.items()):
         if module is None or not (module_name == "planner" or module_name.startswith("planner.")):
             continue
-        for phase, attr in PHASE_FUNCTIONS.items():
-            if callable(getattr(module, attr, None)):
-                originals.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, timed(phase, getattr(module, attr)))
+        for phase, attrs in PHASE_FUNCTIONS.items():
+            for attr in attrs:
+                if callable(getattr(module, attr, None)):
+                    originals.append((module, attr, getattr(module, attr)))
+                    setattr(module, attr, timed(phase, getattr(module, attr)))
     try:
         yield
     finally:

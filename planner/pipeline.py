@@ -297,12 +297,14 @@ class Replanner:
         unsharded = self.planning.world_size == 1
         if first and self.capture.compile_backend is not None:
             return plan_compiled(steps, gm)  # compiled, and held to the compiled step's measured peak
+        node_peaks = None
         if first and unsharded:
-            roomy = plan_if_the_step_fits(steps, gm)  # the unoptimized step measured: nothing profiled
-            if roomy is not None:
-                return apply_plan(gm, roomy), roomy, None
+            fit = plan_if_the_step_fits(steps, gm)  # the unoptimized step measured: nothing profiled
+            if fit.plan is not None:
+                return apply_plan(gm, fit.plan), fit.plan, None
+            node_peaks = fit.node_peaks  # that step was the profile's memory pass
         if graph is None:
-            graph = steps.profile(gm)
+            graph = steps.profile(gm, node_peaks)
         with heartbeat(f"solving for {self.budget_gb:.4g} GiB ({len(graph.nodes)} nodes)"):
             try:
                 gm, plan, graph = choose_loss_chunks(steps, gm, graph)

@@ -5,8 +5,9 @@ The steps that follow a solve (the loss-chunk choice, the fit on measurement, th
 device, the compiled plan) take a ``PlanningSteps`` and call these methods, so each names what
 it does with the model rather than receiving it as a callback.
 
-:func:`plan_if_the_step_fits` is the first step of a roomy budget: the unoptimized step is
-measured, and where it fits the plan is empty and nothing is profiled. Its log lines, and
+:func:`plan_if_the_step_fits` is the first step of a plan: the unoptimized step is measured;
+where it fits the plan is empty and nothing is profiled, and where it does not, the same
+measurement is the profile's memory pass. Its log lines, and
 :func:`log_plan`'s, go to ``planner.pipeline``: they read as ``optimize``'s own.
 
 Example:
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from planner.budget_plan import plan_for_budget
 from planner.capture_options import CaptureOptions
@@ -31,10 +32,11 @@ from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, measure_step_peak_bytes
+from profiling.profile import NodePeaks, measure_unoptimized_step
 from profiling.trace import trace_module
 from rewrite.segments import apply_plan, module_copy
 
-__all__ = ["PlanningSteps", "planning_room_bytes", "plan_if_the_step_fits", "log_plan"]
+__all__ = ["PlanningSteps", "StepFit", "planning_room_bytes", "plan_if_the_step_fits", "log_plan"]
 
 log = logging.getLogger("planner.pipeline")  # the plan's lines read as optimize's own
 
@@ -85,11 +87,12 @@ class PlanningSteps:
         return trace_module(self.model, self.example_inputs, method=self.capture_options.trace_method,
                             simplify_attention_masks=self.capture_options.simplify_attention_masks)
 
-    def profile(self, gm: Any) -> CostGraph:
-        """The profile of ``gm``'s training step, through the profile cache where one is set."""
+    def profile(self, gm: Any, node_peaks: NodePeaks | None = None) -> CostGraph:
+        """The profile of ``gm``'s training step, through the profile cache where one is set;
+        ``node_peaks``: its memory pass, measured already (:func:`plan_if_the_step_fits`)."""
         options = self.capture_options
         return cached_profile_graph(gm, self.example_inputs, options.cache_dir, timing_repeats=options.timing_repeats,
-                                    progress=options.progress, step=options.step)
+                                    progress=options.progress, step=options.step, node_peaks=node_peaks)
 
     def plan(self, graph: CostGraph, budget_gb: float | None = None, options: PlanOptions | None = None) -> Plan:
         """``graph`` solved for ``budget_gb`` (None: the step's budget) with ``options`` (None: the
@@ -105,32 +108,42 @@ class PlanningSteps:
         return module, measure_step_peak_bytes(module, self.step_inputs, self.capture_options.step)
 
 
-def plan_if_the_step_fits(steps: PlanningSteps, gm: Any) -> Plan | None:
-    """The empty plan when one measured step of ``gm`` (nothing recomputed) fits the planning
-    room (:func:`planning_room_bytes`), else None: a roomy budget needs no profile and no solve.
+class StepFit(NamedTuple):
+    """What measuring the unoptimized step said: the empty plan where it fits the budget (else
+    None), and the per-node peaks the measurement gave, for the profile (None on CUDA)."""
+
+    plan: Plan | None
+    node_peaks: NodePeaks | None
+
+
+def plan_if_the_step_fits(steps: PlanningSteps, gm: Any) -> StepFit:
+    """Measure one step of ``gm`` (nothing recomputed): the empty plan where it fits the planning
+    room (:func:`planning_room_bytes`), so a roomy budget needs no profile and no solve; else no
+    plan, and on CPU the step's per-node peaks, which the profile then takes as its memory pass
+    (:func:`profiling.profile.measure_unoptimized_step`).
 
     Example:
         >>> import torch
         >>> steps = PlanningSteps(torch.nn.Linear(4, 4).train(), (torch.randn(2, 4),), budget_gb=1.0)
-        >>> plan = plan_if_the_step_fits(steps, steps.capture())
-        >>> plan.segments, plan.measured_peak_bytes == plan.unoptimized_peak_bytes
+        >>> fit = plan_if_the_step_fits(steps, steps.capture())
+        >>> fit.plan.segments, fit.plan.measured_peak_bytes == fit.plan.unoptimized_peak_bytes
         ((), True)
     """
     started = time.perf_counter()
     budget_bytes = check_budget_gb(steps.budget_gb)
     room_bytes = planning_room_bytes(budget_bytes, steps.plan_options)
-    peak_bytes = measure_step_peak_bytes(gm, steps.step_inputs, steps.capture_options.step)
+    peak_bytes, node_peaks = measure_unoptimized_step(gm, steps.step_inputs, steps.capture_options.step)
     if peak_bytes > room_bytes:
         log.debug("the unoptimized step peaks at %.4f GiB, above the room of %.4f GiB: planning", peak_bytes / GIB,
                   room_bytes / GIB)
-        return None
+        return StepFit(None, node_peaks)
     log.info("plan: the unoptimized step's measured peak %.4f GiB fits the %.4f GiB budget: nothing to recompute, "
              "nothing profiled", peak_bytes / GIB, budget_bytes / GIB)
-    return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=peak_bytes, unoptimized_peak_bytes=peak_bytes,
-                segments=(), forward_ms=0.0, step_ms=0.0, forward_flops=0,
-                solver="none (the measured unoptimized step fits)", solve_s=time.perf_counter() - started,
-                measured_unoptimized_peak_bytes=peak_bytes, measured_peak_bytes=peak_bytes,
-                computation_changes=tuple(gm.meta.get("computation_changes", ())))
+    return StepFit(Plan(budget_bytes=budget_bytes, predicted_peak_bytes=peak_bytes, unoptimized_peak_bytes=peak_bytes,
+                        segments=(), forward_ms=0.0, step_ms=0.0, forward_flops=0,
+                        solver="none (the measured unoptimized step fits)", solve_s=time.perf_counter() - started,
+                        measured_unoptimized_peak_bytes=peak_bytes, measured_peak_bytes=peak_bytes,
+                        computation_changes=tuple(gm.meta.get("computation_changes", ()))), None)
 
 
 def log_plan(plan: Plan, *, measured: bool) -> None:

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -62,7 +62,7 @@ from profiling.segment_overhead import segment_overhead_ms
 from profiling.selective_overhead import selective_overhead_ms_per_node
 from profiling.temporaries import FakeAllocationTracker, NodePeaks, measure_node_peaks
 
-__all__ = ["profile_graph", "flat_graph_inputs"]
+__all__ = ["profile_graph", "flat_graph_inputs", "measure_unoptimized_step", "UnoptimizedStep"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,39 @@ def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
     return pooled
 
 
+class UnoptimizedStep(NamedTuple):
+    """One measured training step of a captured graph with nothing recomputed: its peak at the
+    allocator, and where the same step gives them (CPU), each node's peaks for the profile."""
+
+    peak_bytes: int
+    #: the step's per-node peaks, which :func:`profile_graph` takes as its memory pass; None on CUDA
+    node_peaks: NodePeaks | None
+
+
+def measure_unoptimized_step(gm: torch.fx.GraphModule, inputs: StepInputs,
+                             step: TrainingStep = TrainingStep()) -> UnoptimizedStep:
+    """Measure one training step of ``gm`` as ``step`` runs it. On CPU the step runs node by
+    node under the memory profiler (:func:`profiling.temporaries.measure_node_peaks`), so the
+    measurement that decides whether a budget needs a plan is also the profile's memory pass;
+    on CUDA the peak is ``max_memory_allocated``'s and the profile measures its nodes itself.
+
+    Example:
+        >>> from profiling.trace import trace_module
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> x = torch.randn(4, 8)
+        >>> gm = trace_module(model, (x,))
+        >>> measured = measure_unoptimized_step(gm, StepInputs.from_example((x,)))
+        >>> measured.peak_bytes == measure_step_peak_bytes(gm, StepInputs.from_example((x,)))
+        True
+        >>> profile_graph(gm, (x,), node_peaks=measured.node_peaks).measured_peak_bytes == measured.peak_bytes
+        True
+    """
+    peaks = measure_node_peaks(gm, inputs, step, criterion_name(n.name for n in gm.graph.nodes))
+    if peaks.step_peak_bytes is None:
+        return UnoptimizedStep(measure_step_peak_bytes(gm, inputs, step), None)
+    return UnoptimizedStep(peaks.step_peak_bytes, peaks)
+
+
 def profile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Any,
@@ -109,6 +142,7 @@ def profile_graph(
     target: str = "cpu",
     progress: bool = False,
     step: TrainingStep = TrainingStep(),
+    node_peaks: NodePeaks | None = None,
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``, as ``step`` runs it:
     the loss ``step`` takes (a criterion outside the graph becomes one node of the profile,
@@ -139,6 +173,10 @@ def profile_graph(
     The per-node cost of a selective checkpoint policy (:mod:`profiling.selective_overhead`)
     and each checkpointed segment's own cost (:mod:`profiling.segment_overhead`) are measured
     on the device; in fake mode they are unknown and taken as 0.
+
+    ``node_peaks``: the per-node peaks of this graph's step, measured already on CPU
+    (:func:`measure_unoptimized_step`); the profile then runs no memory pass of its own, and
+    its ``measured_peak_bytes`` is theirs.
 
     Progress goes to the ``profiling.progress`` logger at INFO (every tenth of the nodes and
     each phase); ``progress=True`` draws a tqdm bar instead when tqdm is installed.
@@ -211,11 +249,14 @@ def profile_graph(
         # GPT-2 step 20 % slower: 983 against 815 ms), so they go before anything is timed
         del interp
         table.keep.clear()
-        progress_log.info("profiling: measuring per-node temporaries%s",
-                          " and the step's peak" if measure_peak else "")
-        # a whole step with values freed as the module frees them: it also warms the allocator
-        # for the timing passes, which then need no untimed step of their own
-        peaks = measure_node_peaks(gm, inputs, step, loss_node)
+        if node_peaks is None:
+            progress_log.info("profiling: measuring per-node temporaries%s",
+                              " and the step's peak" if measure_peak else "")
+            # a whole step with values freed as the module frees them: it also warms the
+            # allocator for the timing passes, which then need no untimed step of their own
+            peaks = measure_node_peaks(gm, inputs, step, loss_node)
+        else:
+            peaks = node_peaks
         node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats, step)
         step_ms = statistics.median(step_times)
         timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread,

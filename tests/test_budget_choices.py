@@ -42,9 +42,10 @@ def test_a_bad_budget_choice_is_one_line_before_any_work(budget_gb, budget_fract
     import planner.pipeline
     import planner.planning_steps
 
-    for module in (planner.pipeline, planner.planning_steps):  # the budget's fraction, the roomy step
-        monkeypatch.setattr(module, "measure_step_peak_bytes",
-                            lambda *a, **k: (_ for _ in ()).throw(AssertionError("must not run a step")))
+    for module, name in ((planner.pipeline, "measure_step_peak_bytes"),  # the budget's fraction
+                         (planner.planning_steps, "measure_step_peak_bytes"),
+                         (planner.planning_steps, "measure_unoptimized_step")):  # the roomy step
+        monkeypatch.setattr(module, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("must not run a step")))
     model, inputs = mlp()
     with pytest.raises(InputError) as refused:
         optimize(model, inputs, budget_gb, budget_fraction=budget_fraction)
@@ -96,3 +97,28 @@ def test_the_summary_labels_the_extra_time_as_predicted():
     plan = optimize(model, inputs, budget_fraction=0.6, **FAST).plan
     row = next(line for line in plan.summary().splitlines() if line.startswith("extra time"))
     assert "per step, predicted (~" in row and "step, measured)" in row, row
+
+
+def test_the_step_measured_against_the_budget_is_the_profiles_memory_pass(monkeypatch):
+    import planner.planning_steps
+    import profiling.profile
+
+    passes, checks, given = [], [], []
+    measure = profiling.profile.measure_node_peaks
+    monkeypatch.setattr(profiling.profile, "measure_node_peaks", lambda *a, **k: passes.append(1) or measure(*a, **k))
+    check = planner.planning_steps.measure_step_peak_bytes
+    monkeypatch.setattr(planner.planning_steps, "measure_step_peak_bytes", lambda *a, **k: checks.append(1) or check(*a, **k))
+    profile = planner.planning_steps.cached_profile_graph
+    monkeypatch.setattr(planner.planning_steps, "cached_profile_graph",
+                        lambda *a, **k: given.append(k.get("node_peaks")) or profile(*a, **k))
+    model, inputs = mlp()
+    peak = measure_step_peak_bytes(model, StepInputs.from_example(inputs))
+    opt = optimize(model, inputs, budget_gb=0.7 * peak / GIB, cache_dir=None, **FAST)
+    assert opt.plan.segments
+    # two measured steps in all: the unoptimized one, against the budget and then the profile's
+    # memory pass, and the plan's check
+    assert len(passes) == 1 and len(checks) == 1 and len(given) == 1 and given[0] is not None
+    graph = opt.cost_graph
+    assert graph.measured_peak_bytes == opt.plan.measured_unoptimized_peak_bytes
+    assert abs(graph.measured_peak_bytes - peak) <= 0.01 * peak
+    assert any(node.forward_peak_bytes > node.output_bytes for node in graph.nodes)  # its temporaries came with it

@@ -128,6 +128,23 @@ def test_noisy_node_timings_take_more_passes_and_report_their_spread():
     assert set(busy.time_ms.values()) == {1.0}
 
 
+def test_a_slow_first_timed_pass_is_dropped_once_and_timed_again():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm = trace_module(model, (x,))
+    per_pass = sum(n.op not in ("placeholder", "output") for n in gm.graph.nodes) + 1  # nodes, backward
+    calls = []
+
+    def cold_first(fn):  # the first timed step runs three times slower, then all are steady
+        fn()
+        calls.append(1)
+        return 3.0 if len(calls) <= per_pass else 1.0
+
+    times = time_nodes_in_passes(gm, [x], repeats=2, timer=cold_first, warm_up=False)
+    assert len(calls) == 3 * per_pass  # two passes, the first dropped, one more
+    assert (times.passes, times.spread) == (2, 0.0) and set(times.time_ms.values()) == {1.0}
+
+
 def test_a_profile_records_how_steady_its_timings_were():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     x = torch.randn(4, 8)
