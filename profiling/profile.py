@@ -149,9 +149,9 @@ def profile_graph(
     :mod:`profiling.criterion`) and the output dropped before the backward unless
     ``step.output_held`` (``CostGraph.output_held``).
 
-    Each node's time is its median over ``timing_repeats`` warm training steps run node by node
-    after the step that measures temporaries, which warms the allocator
-    (:func:`profiling.node_times.time_nodes_in_passes`; on CUDA, GPU time
+    Each node's time is its median over ``timing_repeats`` training steps run node by node
+    after the step that measures temporaries (:func:`profiling.node_times.time_nodes_in_passes`,
+    which drops a slow first pass once; on CUDA, GPU time
     with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`);
     nodes running the same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
