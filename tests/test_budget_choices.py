@@ -122,5 +122,6 @@ def test_the_step_measured_against_the_budget_is_the_profiles_memory_pass(monkey
     assert graph.measured_peak_bytes == opt.plan.measured_unoptimized_peak_bytes
     assert abs(graph.measured_peak_bytes - peak) <= 0.01 * peak
     measured = given[0]  # the profile's per-node peaks are that step's
-    assert {n.name: n.forward_peak_bytes for n in graph.nodes if n.name in measured.forward} == measured.forward
+    compared = [n for n in graph.nodes if n.name in measured.forward]
+    assert len(compared) > 10 and all(n.forward_peak_bytes == measured.forward[n.name] for n in compared)
     assert any(n.backward_peak_bytes for n in graph.nodes)
