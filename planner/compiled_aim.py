@@ -35,7 +35,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
 from planner.core.matmul_ops import segment_saved_ops
-from planner.solvers.hand_policies import HAND_PLACED, hand_placed_plans
+from planner.solvers.hand_policies import HAND_PLACED, HandPlan, hand_placed_plans
 from planner.solvers.stage_plans import to_plan
 
 __all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_compile", "MAX_COMPILED_HAND_PLANS"]
@@ -58,6 +58,8 @@ class PeakPair:
 
     eager_predicted_bytes: int
     compiled_measured_bytes: int
+    #: the plan kept matmul outputs (compiled, its saving per eager byte differs from whole segments')
+    kept_matmuls: bool = False
 
 
 def _slope(low: PeakPair, high: PeakPair) -> float | None:
@@ -117,6 +119,26 @@ def _compiles(graph: CostGraph, segment: Segment) -> bool:
     return segment_saved_ops({n: graph.node(n).op for n in segment.node_names}, segment.kept_nodes) is not None
 
 
+def _partly_kept(hands: Sequence[HandPlan]) -> list[HandPlan]:
+    """For each plan keeping matmul outputs whose whole-segment twin (the same segments, nothing
+    kept) is among ``hands``: the plans recomputing its first 1 .. n-1 segments whole and keeping
+    matmul outputs in the rest, from the most kept to the least. Compiled, a segment that keeps
+    its matmul outputs costs little and saves less; a few whole segments close the gap to a budget
+    between the two plans at less cost than a plan of whole segments alone."""
+    whole = {tuple(s.node_names for s in hand.segments): hand for hand in hands
+             if not any(s.kept_nodes for s in hand.segments)}
+    mixed: list[HandPlan] = []
+    for hand in hands:
+        twin = whole.get(tuple(s.node_names for s in hand.segments))
+        if twin is None or not any(s.kept_nodes for s in hand.segments):
+            continue
+        n = len(hand.segments)
+        for j in range(1, n):
+            mixed.append(HandPlan(f"{twin.name}, matmul outputs kept in the last {n - j} of {n}",
+                                  twin.segments[:j] + hand.segments[j:]))
+    return mixed
+
+
 def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_bytes: int, budget_bytes: int,
                           limit: int = MAX_COMPILED_HAND_PLANS) -> list[Plan]:
     """The hand-placed plans (:func:`planner.solvers.hand_policies.hand_placed_plans`: whole
@@ -126,7 +148,9 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     below the lowest eager prediction that measured over the room, nearest first to the eager
     peak the measured ``pairs`` expect to compile to the room (:func:`eager_target_bytes`),
     except that the matmul-keeping plan of least recompute at or below that peak comes first
-    (compiled, its recomputed pointwise ops fuse into the backward's kernels).
+    (compiled, its recomputed pointwise ops fuse into the backward's kernels); that peak is read
+    off the pairs of plans that kept matmul outputs where there are any. Matmul-keeping plans
+    include those recomputing their first segments whole (:func:`_partly_kept`).
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -147,9 +171,12 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     over = [p.eager_predicted_bytes for p in pairs if p.compiled_measured_bytes > room_bytes]
     ceiling = min(over) if over else None
     aim = eager_target_bytes(pairs, room_bytes, graph.persistent_bytes) if pairs else unoptimized
+    keeping_pairs = [p for p in pairs if p.kept_matmuls]
+    keeping_aim = eager_target_bytes(keeping_pairs, room_bytes, graph.persistent_bytes) if keeping_pairs else aim
     seen: set[tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = set()
     ranked: list[tuple[int, int, str, Plan]] = []
-    for hand in hand_placed_plans(graph):
+    hands = hand_placed_plans(graph)
+    for hand in [*hands, *_partly_kept(hands)]:
         key = tuple((s.node_names, s.kept_nodes) for s in hand.segments)
         if not hand.segments or not all(_compiles(graph, s) for s in hand.segments) or key in seen:
             continue
@@ -162,7 +189,8 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     ordered = sorted(ranked)
     # compiled, recomputing pointwise ops around saved matmul outputs costs little (they fuse
     # into the backward's kernels): the cheapest such plan expected to fit goes first
-    keeping = [r for r in ordered if any(s.kept_nodes for s in r[3].segments) and r[3].predicted_peak_bytes <= aim]
+    keeping = [r for r in ordered
+               if any(s.kept_nodes for s in r[3].segments) and r[3].predicted_peak_bytes <= keeping_aim]
     if keeping:
         first = min(keeping, key=lambda r: r[3].recompute_ms)
         ordered = [first, *(r for r in ordered if r is not first)]

@@ -121,3 +121,30 @@ def test_hand_plans_to_compile_keep_matmul_outputs_only_where_an_operator_policy
         else n for n in graph.nodes))
     assert any(s.kept_nodes for hand in hand_placed_plans(clash) for s in hand.segments)
     assert all(not s.kept_nodes for p in hand_plans_to_compile(clash, pairs, 800, 800, limit=20) for s in p.segments)
+
+
+def test_after_a_matmul_keeping_plan_measured_over_the_room_some_segments_are_recomputed_whole() -> None:
+    """Compiled, keeping matmul outputs in every segment can miss a budget a whole-segment plan
+    meets at more cost: the plans recomputing the first segments whole and keeping matmul
+    outputs in the rest are candidates, aimed from the keeping plans' own measurements."""
+    from planner.compiled_aim import hand_plans_to_compile
+    from planner.core.simulate import simulate
+
+    graph = _four_layers(matmuls=True)
+    pairs = [PeakPair(simulate(graph).peak_bytes, 900)]
+    plans = hand_plans_to_compile(graph, pairs, 800, 800, limit=50)
+    partly = [p for p in plans if "matmul outputs kept in the last" in p.solver]
+    assert partly
+    for plan in partly:  # whole segments first, then segments that keep their matmul outputs
+        kept = [bool(s.kept_nodes) for s in plan.segments]
+        assert kept == sorted(kept) and kept[-1] and not kept[0]
+        assert all(not s.kept_nodes or all(graph.node(n).op == "aten.addmm.default" for n in s.kept_nodes)
+                   for s in plan.segments)
+    first = plans[0]
+    assert any(s.kept_nodes for s in first.segments)
+    # that plan measured over the room: the next candidate keeps matmul outputs in fewer segments,
+    # aimed by the line through that measurement, and predicts a lower eager peak
+    pairs.append(PeakPair(first.predicted_peak_bytes, 860, kept_matmuls=True))
+    following = hand_plans_to_compile(graph, pairs, 800, 800, limit=1)
+    assert following and following[0].predicted_peak_bytes < first.predicted_peak_bytes
+    assert any(s.kept_nodes for s in following[0].segments)
