@@ -42,7 +42,7 @@ __all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_co
 
 #: Hand-placed plans compiled and measured at most beside the search's plans, the first that
 #: fits ending the search (docs/tuning.md#max_compiled_hand_plans).
-MAX_COMPILED_HAND_PLANS = 2
+MAX_COMPILED_HAND_PLANS = 3
 
 #: Slopes (compiled bytes per eager byte) a line through two measured pairs may take. Outside
 #: it (two plans whose compiled peaks barely differ, or a floor the plans do not move) the next
