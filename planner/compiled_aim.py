@@ -38,7 +38,8 @@ from planner.core.matmul_ops import segment_saved_ops
 from planner.solvers.hand_policies import HAND_PLACED, HandPlan, hand_placed_plans
 from planner.solvers.stage_plans import to_plan
 
-__all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_compile", "MAX_COMPILED_HAND_PLANS"]
+__all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_compile", "keeps_matmul_outputs",
+           "MAX_COMPILED_HAND_PLANS"]
 
 #: Hand-placed plans compiled and measured at most beside the search's plans, the first that
 #: fits ending the search (docs/tuning.md#max_compiled_hand_plans).
@@ -119,6 +120,17 @@ def _compiles(graph: CostGraph, segment: Segment) -> bool:
     return segment_saved_ops({n: graph.node(n).op for n in segment.node_names}, segment.kept_nodes) is not None
 
 
+def keeps_matmul_outputs(plan: Plan) -> bool:
+    """Whether any segment of ``plan`` keeps outputs (compiled: its matmul outputs).
+
+    Example:
+        >>> plan = Plan(0, 0, 0, (Segment(("a", "b"), 1.0, 0, kept_nodes=("a",)),), 0.0, 0.0, 0, "-", 0.0)
+        >>> keeps_matmul_outputs(plan), keeps_matmul_outputs(Plan(0, 0, 0, (), 0.0, 0.0, 0, "-", 0.0))
+        (True, False)
+    """
+    return any(segment.kept_nodes for segment in plan.segments)
+
+
 def _partly_kept(hands: Sequence[HandPlan]) -> list[HandPlan]:
     """For each plan keeping matmul outputs whose whole-segment twin (the same segments, nothing
     kept) is among ``hands``: the plans recomputing its first 1 .. n-1 segments whole and keeping
@@ -162,7 +174,7 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
         >>> g = CostGraph(tuple(nodes), tuple(Storage(i, 100, i == 0) for i in range(9)), ("n8",))
         >>> pairs = [PeakPair(simulate(g).peak_bytes, 900)]   # nothing recomputed: 1100 eager, 900 compiled
         >>> [(p.solver, p.predicted_peak_bytes) for p in hand_plans_to_compile(g, pairs, 800, 800)]
-        [('hand-placed: every 3rd layer', 1000), ('hand-placed: every layer', 900)]
+        [('hand-placed: every 3rd layer', 1000), ('hand-placed: every layer', 900), ('hand-placed: every 2nd layer', 800)]
         >>> pairs.append(PeakPair(1000, 850))   # every 3rd layer measured over the room
         >>> [p.solver for p in hand_plans_to_compile(g, pairs, 800, 800)]
         ['hand-placed: every layer', 'hand-placed: every 2nd layer']
@@ -189,8 +201,7 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     ordered = sorted(ranked)
     # compiled, recomputing pointwise ops around saved matmul outputs costs little (they fuse
     # into the backward's kernels): the cheapest such plan expected to fit goes first
-    keeping = [r for r in ordered
-               if any(s.kept_nodes for s in r[3].segments) and r[3].predicted_peak_bytes <= keeping_aim]
+    keeping = [r for r in ordered if keeps_matmul_outputs(r[3]) and r[3].predicted_peak_bytes <= keeping_aim]
     if keeping:
         first = min(keeping, key=lambda r: r[3].recompute_ms)
         ordered = [first, *(r for r in ordered if r is not first)]

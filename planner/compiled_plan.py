@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from planner.compiled_aim import (MAX_COMPILED_HAND_PLANS, PeakPair, eager_target_bytes, hand_plans_to_compile,
-                                  within_bracket)
+                                  keeps_matmul_outputs, within_bracket)
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import COMPILE_BACKEND, check_budget_gb
@@ -102,10 +102,6 @@ def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
     return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s)
 
 
-def _keeps_matmuls(plan: Plan) -> bool:
-    return any(segment.kept_nodes for segment in plan.segments)
-
-
 def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: list[PeakPair], room_bytes: int,
                      budget_bytes: int, compiled_unoptimized: int, measured: Callable[[Plan], tuple[Any, Plan]],
                      step_ms: Callable[[list[Any]], list[float]]) -> tuple[Any, Plan] | None:
@@ -126,7 +122,7 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
         module, plan = measured(candidate)
         peak = plan.measured_peak_bytes
         assert peak is not None
-        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, _keeps_matmuls(plan)))
+        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, keeps_matmul_outputs(plan)))
         if peak > room_bytes:
             log.info("%s compiled measured %.4f GiB, over the room of %.4f GiB", plan.solver, peak / GIB,
                      room_bytes / GIB)
@@ -229,7 +225,7 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         module, plan = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None
-        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, _keeps_matmuls(plan)))
+        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, keeps_matmul_outputs(plan)))
         if peak <= room_bytes and (best is None or plan.recompute_ms < best[1].recompute_ms):
             best = module, plan
         if peak <= room_bytes and (not plan.segments or room_bytes - peak <= 2 * margin_bytes):
