@@ -32,7 +32,8 @@ from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
 from profiling.cache import cached_profile_graph
 from profiling.measure import StepInputs, measure_step_peak_bytes
-from profiling.profile import NodePeaks, measure_unoptimized_step
+from profiling.profile import measure_unoptimized_step
+from profiling.temporaries import NodePeaks
 from profiling.trace import trace_module
 from rewrite.segments import apply_plan, module_copy
 
