@@ -103,7 +103,6 @@ def _step_totals(times_ms: dict[str, list[float]], backward_ms: list[float]) -> 
     return [forward + backward for forward, backward in zip(_pass_totals(times_ms), backward_ms)]
 
 
-
 def _first_is_slowest(step_totals_ms: list[float]) -> bool:
     """Whether the first of some timed steps is the slowest of them.
 
@@ -121,6 +120,7 @@ def _drop_first_pass(times_ms: dict[str, list[float]], shares: dict[str, list[fl
         if len(values) == passes:
             del values[0]
     del backward_ms[0]
+
 
 def _share(start: float, last_save: float, end: float) -> float:
     return min(1.0, max(0.0, (end - last_save) / (end - start))) if end > start else 0.0

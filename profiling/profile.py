@@ -41,6 +41,7 @@ from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
     StepInputs,
     TrainingStep,
+    device_of,
     flat_graph_inputs,
     measure_step_peak_bytes,
     preserved_state,
@@ -125,9 +126,10 @@ def measure_unoptimized_step(gm: torch.fx.GraphModule, inputs: StepInputs,
         >>> profile_graph(gm, (x,), node_peaks=measured.node_peaks).measured_peak_bytes == measured.peak_bytes
         True
     """
-    peaks = measure_node_peaks(gm, inputs, step, criterion_name(n.name for n in gm.graph.nodes))
-    if peaks.step_peak_bytes is None:
+    if device_of(gm, inputs).type != "cpu":
         return UnoptimizedStep(measure_step_peak_bytes(gm, inputs, step), None)
+    peaks = measure_node_peaks(gm, inputs, step, criterion_name(n.name for n in gm.graph.nodes))
+    assert peaks.step_peak_bytes is not None, "a CPU step's node peaks carry the step's peak"
     return UnoptimizedStep(peaks.step_peak_bytes, peaks)
 
 
