@@ -79,10 +79,10 @@ How to read it:
 - *beside the solve*: the call's time less the solve, in unoptimized steps. Bar: at most
   {MAX_STEPS_BESIDE_SOLVE} steps beside the solve, and the solve under {MAX_SOLVE_S:.0f} s.
 - Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), then the warm
-  timing passes (`timing_repeats` = 2, more while they spread by over 25 %, the first dropped
-  once where it is the slowest; the step's time is taken from them). The step under the memory
-  profiler (per-node temporaries and the step's peak) is the measured unoptimized step, under
-  *measure*.
+  timing passes (`timing_repeats` = 2, the first of them the step under the memory profiler,
+  more while they spread by over 25 %, the slowest of the first two dropped once; the step's time
+  is taken from them). The step under the memory profiler (per-node temporaries, node times and
+  the step's peak) is the measured unoptimized step, under *measure*.
 - Times are wall clock on a shared 2-core machine: a busy neighbour lengthens the step and the
   call alike, so the ratio moves less than either.
 """

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.core.costgraph import CostNode
 from profiling.cost_nodes import StorageTable
 from profiling.gradient_sharing import is_expanded_view
-from profiling.interpreter import tensors_of
+from profiling.interpreter import SaveRecorder, tensors_of, unpack_saved
 from profiling.measure import TrainingStep
 
 __all__ = ["CRITERION_NODE", "CriterionRecord", "run_criterion", "criterion_inputs", "criterion_node", "criterion_name",
@@ -54,20 +54,17 @@ class CriterionRecord:
 
 def run_criterion(output: Any, step: TrainingStep, timer: Callable[[Callable[[], Any]], float],
                   on_start: Callable[[], None] | None = None,
-                  on_finish: Callable[[], None] | None = None) -> CriterionRecord:
+                  on_finish: Callable[[], None] | None = None, detach: bool = True) -> CriterionRecord:
     """Take ``step``'s loss of ``output`` once, recording what autograd saves for the backward
     (every tensor its pack hook sees), its FLOPs and its time by ``timer``. ``on_start`` and
-    ``on_finish`` bracket the call (a fake-allocation tracker's node window)."""
-    saved: list[torch.Tensor] = []
+    ``on_finish`` bracket the call (a fake-allocation tracker's node window); ``detach``: as
+    :class:`profiling.interpreter.SaveRecorder` takes it (False where a backward follows)."""
+    saves = SaveRecorder(detach=detach)
     counter = FlopCounterMode(display=False)
     result: list[torch.Tensor] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
-
     def take_loss() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        with torch.autograd.graph.saved_tensors_hooks(saves.pack, unpack_saved), counter:
             result.append(step.loss(output))
 
     if on_start is not None:
@@ -75,7 +72,7 @@ def run_criterion(output: Any, step: TrainingStep, timer: Callable[[Callable[[],
     time_ms = timer(take_loss)
     if on_finish is not None:
         on_finish()
-    return CriterionRecord(result[0], saved, int(counter.get_total_flops()), time_ms)
+    return CriterionRecord(result[0], saves.close(), int(counter.get_total_flops()), time_ms)
 
 
 def criterion_inputs(loss: torch.Tensor, outputs: dict[str, Any]) -> tuple[str, ...]:

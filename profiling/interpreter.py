@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from profiling.progress import NodeProgress
 from profiling.temporaries import FakeAllocationTracker
 from profiling.batch_norm_updates import RUN_ONCE_OPS
 
-__all__ = ["ProfilingInterpreter", "DispatchSpy", "tensors_of", "step_timer"]
+__all__ = ["ProfilingInterpreter", "DispatchSpy", "SaveRecorder", "unpack_saved", "tensors_of", "step_timer"]
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
@@ -97,8 +98,20 @@ class DispatchSpy(TorchDispatchMode):
         self.writes_in_place = False
         self.input_views: list[torch.Tensor] = []
         self.op_count = 0
+        self.muted = False  # the profiler's own ops (a pack hook's detach) are not the node's
+
+    @contextlib.contextmanager
+    def mute(self) -> Iterator[None]:
+        """Ops dispatched inside are not counted or watched."""
+        self.muted = True
+        try:
+            yield
+        finally:
+            self.muted = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.muted:
+            return func(*args, **(kwargs or {}))
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:
             self.writes_in_place = True
@@ -145,6 +158,58 @@ def _signature(n: torch.fx.Node, inputs: list[tuple[torch.Tensor, int]], result:
             tuple(describe(t) for t in tensors_of(result)), repr(n.kwargs) if n.kwargs else "")
 
 
+def unpack_saved(t: torch.Tensor) -> torch.Tensor:
+    """The unpack hook paired with :meth:`SaveRecorder.pack`."""
+    return t
+
+
+class SaveRecorder:
+    """A pack hook for ``torch.autograd.graph.saved_tensors_hooks`` that records every tensor
+    autograd saves (``saved``) and, at each save, what ``on_save`` returns (``last_mark``).
+
+    Every tensor saved under a hook keeps the hook, so a hook that reached the saved tensors
+    (or one that returned a saved output itself) would close a loop through the autograd graph
+    that Python's collector cannot see: where no backward runs, as in a profiling forward, the
+    forward's memory would stay allocated for good. So :meth:`pack` hands autograd a detached
+    tensor (``detach=False``: the tensor itself, where a backward follows and frees the loop, as on
+    fake tensors, whose allocation tracker would count the detached tensor), and :meth:`close`
+    lets go of everything the hook reached.
+
+    Example:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> saves = SaveRecorder()
+        >>> with torch.autograd.graph.saved_tensors_hooks(saves.pack, unpack_saved):
+        ...     y = x.exp()
+        >>> [t is y for t in saves.close()], saves.saved
+        ([True], [])
+    """
+
+    def __init__(self, on_save: Callable[[], Any] | None = None,
+                 quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                 detach: bool = True) -> None:
+        self.on_save = on_save
+        self.detach = detach
+        self.quiet = quiet  # where the detach runs: unseen by a dispatch mode watching the node
+        self.saved: list[torch.Tensor] = []
+        self.last_mark: Any = None
+        self.closed = False
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.closed:
+            self.saved.append(t)
+            if self.on_save is not None:
+                self.last_mark = self.on_save()
+        if not self.detach:
+            return t
+        with self.quiet():
+            return t.detach()
+
+    def close(self) -> list[torch.Tensor]:
+        """The tensors saved so far; nothing more is recorded."""
+        saved, self.saved, self.on_save, self.quiet, self.closed = self.saved, [], None, contextlib.nullcontext, True
+        return saved
+
+
 class ProfilingInterpreter(torch.fx.Interpreter):
     """Runs the graph once with autograd on, recording per-node storages, saves, FLOPs and time.
 
@@ -171,21 +236,16 @@ class ProfilingInterpreter(torch.fx.Interpreter):
         return value
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        saved: list[torch.Tensor] = []
         counter = FlopCounterMode(display=False)
         spy = DispatchSpy({t.untyped_storage()._cdata for a in n.all_input_nodes for t in tensors_of(self.env.get(a))})
-        at_last_pack = (0, 0)  # (FLOPs, ops) counted when autograd saved its last tensor
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal at_last_pack
-            saved.append(t)
-            at_last_pack = (int(counter.get_total_flops()), spy.op_count)
-            return t
+        # (FLOPs, ops) counted when autograd saved its last tensor
+        saves = SaveRecorder(lambda: (int(counter.get_total_flops()), spy.op_count), spy.mute,
+                             detach=self.tracker is None)
         result: Any = None
 
         def run_once() -> None:
             nonlocal result
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter, spy:
+            with torch.autograd.graph.saved_tensors_hooks(saves.pack, unpack_saved), counter, spy:
                 result = super(ProfilingInterpreter, self).run_node(n)
 
         before = [(t, t._version) for a in n.all_input_nodes for t in tensors_of(self.env.get(a))]
@@ -202,6 +262,8 @@ class ProfilingInterpreter(torch.fx.Interpreter):
             ) from exc
         if self.tracker is not None:
             self.tracker.node_finished(n.name)
+        at_last_pack: tuple[int, int] = saves.last_mark or (0, 0)
+        saved = saves.close()
         flops = int(counter.get_total_flops())
         mutating = (
             _is_mutating(n)

@@ -37,7 +37,7 @@ import torch.fx
 
 from profiling.measure import TrainingStep, preserved_state, unflatten_output
 
-__all__ = ["NodeTimes", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda", "pass_spread",
+__all__ = ["NodeTimes", "TimedPass", "Timer", "cpu_timer", "time_nodes_in_passes", "time_nodes_on_cuda", "pass_spread",
            "TIMING_SPREAD_LIMIT", "MAX_TIMING_PASSES"]
 
 #: Relative spread of the timed passes' forward times ((slowest - fastest) / median) above which
@@ -72,6 +72,17 @@ class NodeTimes:
     step_totals_ms: tuple[float, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class TimedPass:
+    """One training step timed node by node outside :func:`time_nodes_in_passes` (the step
+    the memory profiler measures, :func:`profiling.temporaries.measure_node_peaks`): each
+    node's forward wall time and the backward's, in ms. Names of nodes that pass does not time
+    (placeholders, the output, a criterion outside the graph) may be among them."""
+
+    node_times_ms: dict[str, float]
+    backward_ms: float
+
+
 def pass_spread(totals_ms: list[float]) -> float:
     """``(slowest - fastest) / median`` of some timings, 0 for steady ones; from five timings
     on, the one slowest and the one fastest are left out, so a single hiccup of the machine
@@ -103,23 +114,35 @@ def _step_totals(times_ms: dict[str, list[float]], backward_ms: list[float]) -> 
     return [forward + backward for forward, backward in zip(_pass_totals(times_ms), backward_ms)]
 
 
-def _first_is_slowest(step_totals_ms: list[float]) -> bool:
-    """Whether the first of some timed steps is the slowest of them.
+def _slow_early_pass(step_totals_ms: list[float]) -> int | None:
+    """The index of the slowest of some timed steps when it is one of the first two, else None:
+    the first steps timed after profiling (or a memory pass run before it) can be the slowest
+    by far, which a later pass cannot be for the same reason.
 
     Example:
-        >>> _first_is_slowest([450.0, 300.0, 310.0]), _first_is_slowest([300.0, 450.0])
-        (True, False)
+        >>> _slow_early_pass([450.0, 300.0, 310.0]), _slow_early_pass([300.0, 450.0, 310.0])
+        (0, 1)
+        >>> _slow_early_pass([300.0, 310.0, 450.0]), _slow_early_pass([300.0])
+        (None, None)
     """
-    return len(step_totals_ms) >= 2 and step_totals_ms[0] == max(step_totals_ms)
+    if len(step_totals_ms) < 2:
+        return None
+    slowest = step_totals_ms.index(max(step_totals_ms))
+    return slowest if slowest < 2 else None
 
 
-def _drop_first_pass(times_ms: dict[str, list[float]], shares: dict[str, list[float]], backward_ms: list[float],
-                     passes: int) -> None:
-    """Forget the first of ``passes`` timed passes: its node times, its shares and its backward."""
-    for values in (*times_ms.values(), *shares.values()):
-        if len(values) == passes:
-            del values[0]
-    del backward_ms[0]
+def _drop_pass(times_ms: dict[str, list[float]], shares: dict[str, list[float]], backward_ms: list[float],
+               index: int) -> None:
+    """Forget the timed pass at ``index``: its node times, its backward and, where it timed
+    them, its shares (the first pass has none when it came from elsewhere, :class:`TimedPass`)."""
+    passes = len(backward_ms)
+    for values in times_ms.values():
+        del values[index]
+    for values in shares.values():
+        offset = passes - len(values)  # passes that timed no shares come first
+        if index >= offset:
+            del values[index - offset]
+    del backward_ms[index]
 
 
 def _share(start: float, last_save: float, end: float) -> float:
@@ -168,12 +191,12 @@ class _NodeTimer(torch.fx.Interpreter):
 
 
 def _medians(values: dict[str, list[float]]) -> dict[str, float]:
-    return {name: statistics.median(v) for name, v in values.items()}
+    return {name: statistics.median(v) for name, v in values.items() if v}
 
 
 def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repeats: int,
                          timer: Timer, split_nodes: Collection[str] = (), warm_up: bool = True,
-                         step: TrainingStep = TrainingStep()) -> NodeTimes:
+                         step: TrainingStep = TrainingStep(), first_pass: TimedPass | None = None) -> NodeTimes:
     """Median forward time (ms) of every node of ``gm`` over ``repeats`` warm training steps on
     CPU, and of each of ``split_nodes`` the share after its last save (wall clock at the last
     pack of a saved tensor; a node that saves nothing gets none).
@@ -184,27 +207,42 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
     ``warm_up`` is False (the caller has just run a step of ``gm`` itself). While the timed
     passes' forward or step times spread by more than :data:`TIMING_SPREAD_LIMIT` (a busy
     machine), more passes are timed, up to :data:`MAX_TIMING_PASSES`, so the medians do not
-    follow the noise; the first time that happens with the first pass the slowest, that pass is
-    dropped and one more timed instead. RNG state, buffers and ``.grad`` of ``gm`` are restored afterwards.
+    follow the noise; the first time that happens with one of the first two passes the slowest,
+    that pass is dropped and one more timed instead. RNG state, buffers and ``.grad`` of ``gm`` are restored afterwards.
+
+    ``first_pass``: a step of ``gm`` already timed node by node (the memory profiler's), counted
+    as the first of the ``repeats`` passes; it times no share after a last save, so with
+    ``split_nodes`` one pass at least is timed here; a pass that misses a node this one times is
+    not counted.
     """
     times_ms: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
     backward_ms: list[float] = []
     repeats = max(1, repeats)
+    passes = 0
+    timed = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    if first_pass is not None and all(name in first_pass.node_times_ms for name in timed):
+        times_ms = {name: [first_pass.node_times_ms[name]] for name in timed}
+        backward_ms.append(first_pass.backward_ms)
+        passes = 1
+    borrowed = passes  # the pass timed elsewhere, while it is kept: it timed no shares
 
     def spread() -> float:
         return max(pass_spread(_pass_totals(times_ms)), pass_spread(_step_totals(times_ms, backward_ms)))
 
     with preserved_state(gm):
-        passes = 0
-        first_kept = True
-        while warm_up or passes < repeats or (passes < MAX_TIMING_PASSES and spread() > TIMING_SPREAD_LIMIT):
-            if first_kept and passes >= max(2, repeats) and _first_is_slowest(_step_totals(times_ms, backward_ms)):
-                # the first timed step after profiling is often the slowest by far (docs/tuning.md,
-                # TIMING_SPREAD_LIMIT): dropped once and timed again, rather than more passes
-                _drop_first_pass(times_ms, shares, backward_ms, passes)
+        dropped = False
+        # shares are timed only here: with split nodes, at least one pass of its own is kept
+        while (warm_up or passes < repeats or (split_nodes and passes == borrowed)
+               or (passes < MAX_TIMING_PASSES and spread() > TIMING_SPREAD_LIMIT)):
+            slow = _slow_early_pass(_step_totals(times_ms, backward_ms)) if passes >= max(2, repeats) else None
+            if not dropped and slow is not None:
+                # the first steps timed after profiling are often the slowest by far (docs/tuning.md,
+                # MAX_TIMING_PASSES): the slowest of them dropped once and one more timed, rather than more passes
+                _drop_pass(times_ms, shares, backward_ms, slow)
                 passes -= 1
-                first_kept = False
+                borrowed = 0 if slow == 0 else borrowed
+                dropped = True
                 continue
             interpreter = _NodeTimer(gm, timer, None if warm_up else times_ms, split_nodes, shares)
             flat_out = interpreter.run(*flat_inputs, enable_io_processing=False)

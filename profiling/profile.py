@@ -52,6 +52,7 @@ from profiling.node_times import (
     MAX_TIMING_PASSES,
     TIMING_SPREAD_LIMIT,
     NodeTimes,
+    TimedPass,
     Timer,
     pass_spread,
     time_nodes_in_passes,
@@ -151,9 +152,9 @@ def profile_graph(
     :mod:`profiling.criterion`) and the output dropped before the backward unless
     ``step.output_held`` (``CostGraph.output_held``).
 
-    Each node's time is its median over ``timing_repeats`` training steps run node by node
-    after the step that measures temporaries (:func:`profiling.node_times.time_nodes_in_passes`,
-    which drops a slow first pass once; on CUDA, GPU time
+    Each node's time is its median over ``timing_repeats`` training steps run node by node,
+    the step that measures temporaries the first of them on CPU
+    (:func:`profiling.node_times.time_nodes_in_passes`, which drops a slow first pass once; on CUDA, GPU time
     with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`);
     nodes running the same op on the same shapes (one per layer in a transformer) then get the median
     of their measured times (:func:`pool_repeated_op_times`), which damps timing noise.
@@ -213,7 +214,7 @@ def profile_graph(
         output_names = tuple(dict.fromkeys(a.name for a in tree_leaves(output_node.args) if isinstance(a, torch.fx.Node)))
         criterion = run_criterion(output, step, interp.time,
                                   *((lambda: tracker.node_started(loss_node), lambda: tracker.node_finished(loss_node))
-                                    if tracker is not None else ()))
+                                    if tracker is not None else ()), detach=tracker is None)
         loss = criterion.loss
         loss_names = tuple(name for name in output_names if interp.records[name]["result"] is loss)
         if loss_names:
@@ -259,7 +260,8 @@ def profile_graph(
             peaks = measure_node_peaks(gm, inputs, step, loss_node)
         else:
             peaks = node_peaks
-        node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats, step)
+        node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats, step,
+                                                 peaks.timed_pass)
         step_ms = statistics.median(step_times)
         timing = {"timing_passes": node_times.passes, "timing_spread": node_times.spread,
                   "step_time_spread": pass_spread(step_times)}
@@ -290,19 +292,21 @@ def profile_graph(
 
 def _measured_times(gm: torch.fx.GraphModule, flat: list[Any], inputs: StepInputs, device: torch.device,
                     repeats: int, split: set[str], step_repeats: int,
-                    step: TrainingStep) -> tuple[NodeTimes, list[float]]:
+                    step: TrainingStep, first_pass: TimedPass | None) -> tuple[NodeTimes, list[float]]:
     """Each node's warm forward time and the step's times, in ms.
 
     On CPU the step's time comes from the same passes (their node times plus their backward),
-    so no step runs only to be timed; on CUDA, where the passes queue the forward ahead of the
+    so no step runs only to be timed, and the step the memory profiler measured node by node
+    (``first_pass``) is the first of them; on CUDA, where the passes queue the forward ahead of the
     GPU, ``step_repeats`` whole steps are timed after them."""
-    progress_log.info("profiling: timing nodes in %d warm passes", repeats)
+    progress_log.info("profiling: timing nodes in %d warm passes%s", repeats,
+                      " (the first the memory pass)" if first_pass is not None and device.type != "cuda" else "")
     if device.type == "cuda":
         node_times = time_nodes_on_cuda(gm, flat, repeats, split_nodes=split, step=step)
         step_times = _step_times_ms(gm, inputs, step_timer(device), step_repeats, step)
     else:
         node_times = time_nodes_in_passes(gm, flat, repeats, step_timer(device), split_nodes=split, warm_up=False,
-                                          step=step)
+                                          step=step, first_pass=first_pass)
         step_times = list(node_times.step_totals_ms)
     return node_times, step_times
 

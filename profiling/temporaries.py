@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ from profiling.measure import (
     profiled_step_peak_bytes,
     unflatten_output,
 )
+from profiling.node_times import TimedPass
 
 __all__ = ["measure_node_peaks", "NodePeaks", "FakeAllocationTracker"]
 
@@ -96,11 +98,14 @@ def walk_events(roots: list[Any]) -> list[Any]:
 class NodePeaks(NamedTuple):
     """Per node name, the peak bytes allocated during its forward and during its backward; and
     the whole step's peak (:func:`profiling.measure.measure_step_peak_bytes`'s figure, taken
-    from the same profiled step on CPU; None on other devices)."""
+    from the same profiled step on CPU; None on other devices). On CPU the same step is also
+    a timed pass (``timed_pass``: each node's wall time inside its range, and the backward's),
+    which :func:`profiling.node_times.time_nodes_in_passes` counts as its first."""
 
     forward: dict[str, int]
     backward: dict[str, int]
     step_peak_bytes: int | None
+    timed_pass: TimedPass | None = None
 
 
 def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(),
@@ -118,7 +123,9 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
         if not step.output_held:
             del output, flat_out
             output = flat_out = None
+        backward_started = time.perf_counter()
         loss.backward()
+        backward_ms = (time.perf_counter() - backward_started) * 1e3
         del output, flat_out, loss
     device_type = device_of(gm, inputs).type
     step_peak_bytes = profiled_step_peak_bytes(gm, inputs, prof) if device_type == "cpu" else None
@@ -127,11 +134,13 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
     peak_in = window_peaks(allocation_events(prof, device_type))
 
     forward: dict[str, int] = {}
+    forward_ms: dict[str, float] = {}
     node_of_sequence: dict[int, str] = {}
     for event in events:
         if event.name.startswith(_PREFIX):
             name = event.name[len(_PREFIX):]
             forward[name] = peak_in(event.start_time_ns, event.end_time_ns)
+            forward_ms[name] = (event.end_time_ns - event.start_time_ns) / 1e6
             for child in walk_events(list(event.children)):
                 seq = getattr(child.extra_fields, "sequence_number", -1)
                 if seq is not None and seq >= 0:
@@ -146,7 +155,9 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
             lo, hi = windows.get(name, (event.start_time_ns, event.end_time_ns))
             windows[name] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
     backward = {name: peak_in(lo, hi) for name, (lo, hi) in windows.items()}
-    return NodePeaks(forward, backward, step_peak_bytes)
+    # the profiler's ranges time the host; on a GPU the kernels run later, so no timed pass there
+    timed = TimedPass(forward_ms, backward_ms) if device_type == "cpu" else None
+    return NodePeaks(forward, backward, step_peak_bytes, timed)
 
 
 class FakeAllocationTracker(TorchDispatchMode):

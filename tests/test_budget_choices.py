@@ -125,3 +125,8 @@ def test_the_step_measured_against_the_budget_is_the_profiles_memory_pass(monkey
     compared = [n for n in graph.nodes if n.name in measured.forward]
     assert len(compared) > 10 and all(n.forward_peak_bytes == measured.forward[n.name] for n in compared)
     assert any(n.backward_peak_bytes for n in graph.nodes)
+    # and the profile's first timed pass: with one pass asked for, the only one, the step's time its own
+    timed = measured.timed_pass
+    assert timed is not None and timed.backward_ms > 0 and graph.metadata["timing_passes"] == 1
+    run = [n.name for n in graph.nodes if n.kind != "input" and n.op != "loss_fn"]  # the criterion is no graph node
+    assert graph.step_ms == pytest.approx(sum(timed.node_times_ms[name] for name in run) + timed.backward_ms)

@@ -234,3 +234,63 @@ def test_share_of_forward_after_the_last_save_is_measured():
         segment = tuple(names[start : names.index(end) + 1])
         plan = Plan(0, 0, 0, (Segment(segment, 0.0, 0),), 0.0, 0.0, 0, "test", 0.0)
         assert step_flops(apply_plan(copy.deepcopy(gm), plan)) - base == rerun_cost(graph, segment)[1], end
+
+
+def test_a_tensor_saved_under_the_recorder_is_freed_without_a_backward():
+    """A pack hook that kept (or returned) the saved output would tie it to its own autograd
+    node in a loop the collector cannot see: with no backward, it would never be freed."""
+    import gc
+    import weakref
+
+    from profiling.interpreter import SaveRecorder, unpack_saved
+
+    x = torch.randn(64, requires_grad=True)
+    saves = SaveRecorder()
+    with torch.autograd.graph.saved_tensors_hooks(saves.pack, unpack_saved):
+        y = x.exp()  # exp saves its own output
+    saved = saves.close()
+    assert len(saved) == 1 and saved[0] is y
+    freed = weakref.ref(y)
+    del y, saved
+    gc.collect()
+    assert freed() is None
+
+
+class _OutputsWatched(torch.utils._python_dispatch.TorchDispatchMode):
+    """Keeps a weak reference to every tensor an op makes, to count those still alive later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def alive(self) -> int:
+        import gc
+
+        gc.collect()
+        return sum(ref() is not None for ref in self.made)
+
+
+@pytest.mark.parametrize("criterion_outside", [False, True])
+def test_profiling_leaves_none_of_its_forwards_tensors_alive(criterion_outside):
+    from profiling.measure import TrainingStep
+
+    torch.manual_seed(0)
+    # tanh saves its own output, GELU its input
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    inputs = (torch.randn(16, 8),)
+    target = torch.randint(0, 64, (16,))
+    step = TrainingStep(lambda out: torch.nn.functional.cross_entropy(out, target)) if criterion_outside \
+        else TrainingStep()
+    gm = trace_module(model, inputs)
+    watched = _OutputsWatched()
+    with watched:
+        graph = profile_graph(gm, inputs, timing_repeats=1, step=step)
+    assert graph.measured_peak_bytes and len(watched.made) > 20
+    assert watched.alive() == 0

@@ -19,7 +19,7 @@ from planner.core.simulate import simulate
 from planner.solvers.solve import minimum_peak_plan, solve
 from planner.sweep import sweep
 from profiling import StepInputs, measure_step_peak_bytes
-from profiling.node_times import MAX_TIMING_PASSES, TIMING_SPREAD_LIMIT, time_nodes_in_passes
+from profiling.node_times import MAX_TIMING_PASSES, TIMING_SPREAD_LIMIT, TimedPass, time_nodes_in_passes
 from profiling.profile import profile_graph
 from profiling.trace import prepare_saved_program, trace_module
 
@@ -143,6 +143,56 @@ def test_a_slow_first_timed_pass_is_dropped_once_and_timed_again():
     times = time_nodes_in_passes(gm, [x], repeats=2, timer=cold_first, warm_up=False)
     assert len(calls) == 3 * per_pass  # two passes, the first dropped, one more
     assert (times.passes, times.spread) == (2, 0.0) and set(times.time_ms.values()) == {1.0}
+
+
+def _counting_timer(slow_calls: range):
+    calls = []
+
+    def timer(fn):  # the calls in ``slow_calls`` (0-based) run three times slower
+        fn()
+        calls.append(1)
+        return 3.0 if len(calls) - 1 in slow_calls else 1.0
+
+    return timer, calls
+
+
+def test_a_pass_timed_elsewhere_counts_as_the_first():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm = trace_module(model, (x,))
+    names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    per_pass = len(names) + 1  # nodes, backward
+    steady_first = TimedPass({name: 1.0 for name in names} | {"x": 5.0, "loss_fn": 9.0}, 1.0)
+    timer, calls = _counting_timer(range(0))
+    times = time_nodes_in_passes(gm, [x], repeats=2, timer=timer, warm_up=False, first_pass=steady_first)
+    assert len(calls) == per_pass  # one pass of its own
+    assert times.passes == 2 and times.step_totals_ms == (per_pass * 1.0,) * 2
+
+    # the first pass timed here is three times slower than the one timed elsewhere: dropped, one more
+    timer, calls = _counting_timer(range(per_pass))
+    times = time_nodes_in_passes(gm, [x], repeats=2, timer=timer, warm_up=False, first_pass=steady_first)
+    assert len(calls) == 2 * per_pass
+    assert (times.passes, times.spread) == (2, 0.0) and set(times.time_ms.values()) == {1.0}
+
+    # the pass timed elsewhere is the slow one (a cold first step): dropped, one more of its own
+    cold_first = TimedPass({name: 3.0 for name in names}, 3.0)
+    timer, calls = _counting_timer(range(0))
+    times = time_nodes_in_passes(gm, [x], repeats=2, timer=timer, warm_up=False, first_pass=cold_first)
+    assert len(calls) == 2 * per_pass
+    assert (times.passes, times.spread) == (2, 0.0) and set(times.time_ms.values()) == {1.0}
+
+    # one pass asked for, with a share to time: the pass timed here is slow and dropped, so
+    # another is timed, since only passes timed here time shares
+    timer, calls = _counting_timer(range(per_pass))
+    times = time_nodes_in_passes(gm, [x], repeats=1, timer=timer, warm_up=False, first_pass=steady_first,
+                                 split_nodes={"relu"})
+    assert len(calls) == 2 * per_pass and times.passes == 2 and 0.0 <= times.after_last_save_share["relu"] <= 1.0
+
+    # a pass that did not time every node is not counted
+    partial = TimedPass({names[0]: 1.0}, 1.0)
+    timer, calls = _counting_timer(range(0))
+    times = time_nodes_in_passes(gm, [x], repeats=2, timer=timer, warm_up=False, first_pass=partial)
+    assert len(calls) == 2 * per_pass and times.passes == 2
 
 
 def test_a_profile_records_how_steady_its_timings_were():
