@@ -133,13 +133,65 @@ def matmuls_kept_segment(segment: CheckpointedSegment) -> MatmulsKeptSegment | N
     return MatmulsKeptSegment(torch.fx.GraphModule(segment.graph_module, graph), saved)
 
 
-def checkpointed_traceable(segment: CheckpointedSegment | MatmulsKeptSegment, *args: Any) -> Any:
+class OutputsKeptSegment:
+    """A whole segment whose outputs the compiled step keeps from the forward, as the eager
+    step does (the segment's output is held by what reads it): the ops that make them are
+    ``MUST_SAVE``, every other op ``PREFER_RECOMPUTE``. Without it, AOTAutograd's partitioner
+    may recompute a pointwise op after the segment (a residual add) from the segment's
+    recomputed output, which pulls the segment's recompute ahead of the backward that comes
+    before it."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, kept_calls: dict[str, frozenset[int]]) -> None:
+        self.graph_module = graph_module
+        self.kept_calls = kept_calls
+        self.context = functools.partial(_outputs_kept_contexts, kept_calls)
+
+
+def _outputs_kept_contexts(kept_calls: dict[str, frozenset[int]]) -> Any:
+    """A checkpoint's pair of contexts whose policy saves the ``kept_calls`` (operator -> which
+    of its calls, counted from 0 in the forward and again in a recompute)."""
+    calls: dict[tuple[bool, str], int] = {}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(op)
+        index = calls.get((ctx.is_recompute, name), 0)
+        calls[(ctx.is_recompute, name)] = index + 1
+        return CheckpointPolicy.MUST_SAVE if index in kept_calls.get(name, ()) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _view_base(node: torch.fx.Node) -> torch.fx.Node:
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+           and node.args and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def outputs_kept_segment(segment: CheckpointedSegment) -> OutputsKeptSegment | None:
+    """``segment`` (one with nothing kept) as an :class:`OutputsKeptSegment`, each output's op
+    named by operator and how many calls of it come before; None where an output is no op's."""
+    nodes = [n for n in segment.graph_module.graph.nodes if n.op == "call_function"]
+    output = next(n for n in segment.graph_module.graph.nodes if n.op == "output")
+    kept: dict[str, set[int]] = {}
+    for leaf in torch.utils._pytree.tree_leaves(output.args):
+        if not isinstance(leaf, torch.fx.Node):
+            continue
+        base = _view_base(leaf)
+        if base.op != "call_function":
+            return None
+        name = str(base.target)
+        kept.setdefault(name, set()).add(sum(1 for n in nodes[:nodes.index(base)] if str(n.target) == name))
+    return OutputsKeptSegment(segment.graph_module, {name: frozenset(v) for name, v in kept.items()})
+
+
+def checkpointed_traceable(segment: CheckpointedSegment | MatmulsKeptSegment | OutputsKeptSegment, *args: Any) -> Any:
     """``segment`` under non-reentrant checkpoint, traceable by Dynamo (no ``compiler.disable``):
     compiled, its ops are recomputed in the backward inside the one graph, except the outputs a
     :class:`MatmulsKeptSegment` keeps."""
     if not torch.is_grad_enabled():
         return segment.graph_module(*args)
-    policy = {"context_fn": segment.context} if isinstance(segment, MatmulsKeptSegment) else {}
+    policy = {"context_fn": segment.context} if isinstance(segment, (MatmulsKeptSegment, OutputsKeptSegment)) else {}
     return torch.utils.checkpoint.checkpoint(segment.graph_module, *args, use_reentrant=False,
                                              preserve_rng_state=True, **policy)
 
@@ -161,6 +213,8 @@ def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     raise PlannerError(f"segment {attr} keeps outputs under a selective policy, which "
                                        f"compile=True does not trace; plan with selective=False")
                 setattr(gm, attr, kept_by_op)
+            elif (outputs_kept := outputs_kept_segment(segment)) is not None:
+                setattr(gm, attr, outputs_kept)
             node.target = checkpointed_traceable
             changed += 1
     if changed:

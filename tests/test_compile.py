@@ -17,7 +17,7 @@ from planner.compiled_plan import compile_backend_of
 from planner.core.errors import InputError
 from planner.core.plan import Plan, Segment
 from profiling import StepInputs, measure_step_peak_bytes
-from rewrite.compiled import MatmulsKeptSegment, checkpointed_traceable, graph_break_count, traceable_segments
+from rewrite.compiled import MatmulsKeptSegment, OutputsKeptSegment, checkpointed_traceable, graph_break_count, traceable_segments
 from rewrite.segments import checkpointed_call
 
 FAST = {"timing_repeats": 1, "max_stages": 12}
@@ -103,6 +103,18 @@ def test_traceable_segments_keep_matmul_outputs_by_operator_and_refuse_other_kep
     traceable_segments(plain)
     targets = [n.target for n in plain.graph.nodes if n.op == "call_function"]
     assert checkpointed_traceable in targets and checkpointed_call not in targets
+    # a whole segment keeps the op that makes its output, as the eager step holds it
+    (call,) = [n for n in plain.graph.nodes if n.op == "call_function" and n.target is checkpointed_traceable]
+    whole = getattr(plain, call.args[0].target)
+    assert isinstance(whole, OutputsKeptSegment)
+    segment_ops = [str(gm.graph.find_nodes(op="call_function", target=n.target)[0].target)
+                   for n in gm.graph.nodes if n.name in names[:3]]
+    (kept_op,) = whole.kept_calls
+    assert kept_op == segment_ops[-1] and whole.kept_calls[kept_op] == {segment_ops.count(kept_op) - 1}
+    # run eagerly, the policy counts the forward's calls and the recompute's apart: the same step
+    loss, grads = step_of(trace_module(model, inputs), model, inputs, seed=1)
+    again, regrads = step_of(plain, model, inputs, seed=1)
+    assert torch.equal(loss, again) and all(torch.equal(grads[n], regrads[n]) for n in grads)
     ops = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     norm = next(name for name in names[:3] if "layer_norm" in ops[name])
     up = next(name for name in names[:3] if "linear" in ops[name])
