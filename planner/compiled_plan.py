@@ -50,7 +50,7 @@ from rewrite.compiled import (COMPILED_STEP, CompiledStep, check_compile_availab
                               compiled_step_peak_bytes)
 from rewrite.segments import apply_plan, module_copy
 
-__all__ = ["compile_backend_of", "plan_compiled"]
+__all__ = ["compile_backend_of", "compiled_and_measured", "plan_compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,33 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
     return best
 
 
+def compiled_and_measured(candidate: Plan, rewritten: Callable[[Plan], Any], room_bytes: int,
+                          peak_of: Callable[[Any, bool], int]) -> tuple[Any, Plan]:
+    """``candidate`` rewritten and compiled with whole segments keeping their outputs, and its
+    measured peak (``peak_of(module, keep_outputs)`` compiles and measures); over the room, compiled
+    again with plain checkpoint tags, which peak lower on some plans (docs/design.md, plans that
+    compile): the lower of the two.
+
+    Example:
+        >>> from planner.core.plan import Segment
+        >>> plan = Plan(100, 90, 200, (Segment(("a",), 1.0, 10),), 1.0, 2.0, 0, "search", 0.0)
+        >>> peaks = {True: 120, False: 95}  # kept outputs: over the room of 100; plain: within
+        >>> module, measured = compiled_and_measured(plan, lambda p: object(), 100, lambda m, keep: peaks[keep])
+        >>> measured.measured_peak_bytes
+        95
+    """
+    module = rewritten(candidate)
+    peak_bytes = peak_of(module, True)
+    if peak_bytes > room_bytes and any(not segment.kept_nodes for segment in candidate.segments):
+        plain = rewritten(candidate)
+        plain_bytes = peak_of(plain, False)
+        log.info("compiled plan with segment outputs kept measured %.4f GiB, with plain checkpoint tags %.4f GiB",
+                 peak_bytes / GIB, plain_bytes / GIB)
+        if plain_bytes < peak_bytes:
+            module, peak_bytes = plain, plain_bytes
+    return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes)
+
+
 def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph | None]:
     """The rewritten graph (compiled, kept in its ``meta``), its plan and the profile it was
     solved on (None where the compiled unoptimized step fits: nothing profiled), for a step run
@@ -194,9 +221,9 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
     def measured(candidate: Plan) -> tuple[Any, Plan]:
         if not candidate.segments:
             return unoptimized, dataclasses.replace(candidate, measured_peak_bytes=compiled_unoptimized)
-        module = rewritten(candidate)
-        _, peak_bytes = compiled_step_peak_bytes(module, inputs, step, backend=backend)
-        return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes)
+        return compiled_and_measured(
+            candidate, rewritten, room_bytes,
+            lambda module, keep: compiled_step_peak_bytes(module, inputs, step, backend=backend, keep_outputs=keep)[1])
 
     target_bytes = room_bytes - margin_bytes  # aimed inside the room by the margin
     pairs = [PeakPair(simulate(graph).peak_bytes, compiled_unoptimized)]

@@ -196,12 +196,13 @@ def checkpointed_traceable(segment: CheckpointedSegment | MatmulsKeptSegment | O
                                              preserve_rng_state=True, **policy)
 
 
-def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def traceable_segments(gm: torch.fx.GraphModule, keep_outputs: bool = True) -> torch.fx.GraphModule:
     """Point ``gm``'s checkpointed segment calls at :func:`checkpointed_traceable`, in place;
     returns ``gm``. A segment that keeps matmul outputs runs under a policy by operator where
     one can keep them (:class:`MatmulsKeptSegment`); one that keeps other outputs raises
     :class:`PlannerError`: its policy reads markers the graph sets as it runs, which a compiled
-    graph does not run."""
+    graph does not run. A whole segment keeps the ops that make its outputs
+    (:class:`OutputsKeptSegment`) unless ``keep_outputs`` is False (plain checkpoint tags)."""
     changed = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is checkpointed_call:
@@ -213,7 +214,7 @@ def traceable_segments(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     raise PlannerError(f"segment {attr} keeps outputs under a selective policy, which "
                                        f"compile=True does not trace; plan with selective=False")
                 setattr(gm, attr, kept_by_op)
-            elif (outputs_kept := outputs_kept_segment(segment)) is not None:
+            elif keep_outputs and (outputs_kept := outputs_kept_segment(segment)) is not None:
                 setattr(gm, attr, outputs_kept)
             node.target = checkpointed_traceable
             changed += 1
@@ -246,12 +247,12 @@ class CompiledStep:
 
 
 def compile_step(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,
-                 backend: str = COMPILE_BACKEND) -> CompiledStep:
-    """``gm`` (its segments made traceable) under ``torch.compile(backend=backend)``, compiled by one
-    training step run on ``inputs`` (RNG, buffers and ``.grad`` restored after), and kept in
-    ``gm.meta`` for :func:`compiled_runner`."""
+                 backend: str = COMPILE_BACKEND, keep_outputs: bool = True) -> CompiledStep:
+    """``gm`` (its segments made traceable, :func:`traceable_segments` with ``keep_outputs``) under
+    ``torch.compile(backend=backend)``, compiled by one training step run on ``inputs`` (RNG,
+    buffers and ``.grad`` restored after), and kept in ``gm.meta`` for :func:`compiled_runner`."""
     check_compile_available()
-    traceable_segments(gm)
+    traceable_segments(gm, keep_outputs)
     compiled = torch.compile(gm, backend=backend)
     breaks_before = graph_break_count()
     started = time.perf_counter()
@@ -265,10 +266,10 @@ def compile_step(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingSte
 
 
 def compiled_step_peak_bytes(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,
-                             backend: str = COMPILE_BACKEND) -> tuple[CompiledStep, int]:
+                             backend: str = COMPILE_BACKEND, keep_outputs: bool = True) -> tuple[CompiledStep, int]:
     """``gm`` compiled (:func:`compile_step`) and the peak bytes of its compiled training step,
     measured at the allocator after the compiling step (``measure_step_peak_bytes``)."""
-    run = compile_step(gm, inputs, step, backend=backend)
+    run = compile_step(gm, inputs, step, backend=backend, keep_outputs=keep_outputs)
     return run, measure_step_peak_bytes(run.module, inputs, step)
 
 

@@ -8,6 +8,8 @@ included) as the compiled model without the planner, bit for bit on CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -345,3 +347,31 @@ def test_a_plan_keeping_matmul_outputs_compiles_to_one_graph_bitwise_below_the_c
         assert torch.equal(loss_a, loss_b)
         assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
     torch._dynamo.reset()
+
+
+def test_a_compiled_plan_over_the_room_is_compiled_again_with_plain_checkpoint_tags():
+    """Whole segments keep their outputs compiled; where that measures over the room, the plan is
+    compiled once more with plain tags and the lower measurement (and its module) is kept."""
+    from planner.compiled_plan import compiled_and_measured
+
+    plan = Plan(100, 90, 200, (Segment(("a",), 1.0, 10),), 1.0, 2.0, 0, "search", 0.0)
+    compiled: list[bool] = []
+
+    def run(peaks):
+        compiled.clear()
+
+        def peak_of(module, keep):
+            compiled.append(keep)
+            return peaks[keep]
+        return compiled_and_measured(plan, lambda p: object(), 100, peak_of)
+
+    _, within = run({True: 99, False: 50})
+    assert compiled == [True] and within.measured_peak_bytes == 99  # within the room: compiled once
+    _, over = run({True: 120, False: 95})
+    assert compiled == [True, False] and over.measured_peak_bytes == 95
+    _, both_over = run({True: 120, False: 130})
+    assert compiled == [True, False] and both_over.measured_peak_bytes == 120
+    kept_only = dataclasses.replace(plan, segments=(Segment(("a",), 1.0, 10, kept_nodes=("a",)),))
+    compiled.clear()
+    compiled_and_measured(kept_only, lambda p: object(), 100, lambda m, keep: compiled.append(keep) or 120)
+    assert compiled == [True]  # no whole segment: nothing to compile differently
