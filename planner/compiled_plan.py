@@ -103,14 +103,14 @@ def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
 
 
 def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: list[PeakPair], room_bytes: int,
-                     budget_bytes: int, compiled_unoptimized: int, measured: Callable[[Plan], tuple[Any, Plan]],
+                     budget_bytes: int, compiled_unoptimized: int, measured: Callable[[Plan], tuple[Any, Plan, int]],
                      step_ms: Callable[[list[Any]], list[float]]) -> tuple[Any, Plan] | None:
     """``best`` (the search's plan that measured within the room, compiled), or a hand-placed plan
     (:func:`planner.compiled_aim.hand_plans_to_compile`) that measured within the room: the first
     of them that fits is compiled beside it and the two steps timed (``step_ms``); the hand-placed
     plan is taken unless the search's steps faster by more than :data:`COMPILED_TIME_TOLERANCE`,
-    so that timing noise does not swap the plan from run to run. Each measured plan's pair is
-    added to ``pairs``."""
+    so that timing noise does not swap the plan from run to run. Each measured plan's pair (with
+    the peak ``measured`` gives for aiming, its third value) is added to ``pairs``."""
     for _ in range(MAX_COMPILED_HAND_PLANS):
         # asked again after each plan measured over the room: that measurement moves the aim
         chosen = hand_plans_to_compile(graph, pairs, room_bytes, budget_bytes, limit=1)
@@ -119,10 +119,10 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
         candidate = dataclasses.replace(chosen[0], measured_unoptimized_peak_bytes=compiled_unoptimized)
         if best is not None and candidate.segments == best[1].segments:
             return best
-        module, plan = measured(candidate)
+        module, plan, aim_peak = measured(candidate)
         peak = plan.measured_peak_bytes
         assert peak is not None
-        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, keeps_matmul_outputs(plan)))
+        pairs.append(PeakPair(plan.predicted_peak_bytes, aim_peak, keeps_matmul_outputs(plan)))
         if peak > room_bytes:
             log.info("%s compiled measured %.4f GiB, over the room of %.4f GiB", plan.solver, peak / GIB,
                      room_bytes / GIB)
@@ -137,22 +137,23 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
 
 
 def compiled_and_measured(candidate: Plan, rewritten: Callable[[Plan], Any], room_bytes: int,
-                          peak_of: Callable[[Any, bool], int]) -> tuple[Any, Plan]:
+                          peak_of: Callable[[Any, bool], int]) -> tuple[Any, Plan, int]:
     """``candidate`` rewritten and compiled with whole segments keeping their outputs, and its
     measured peak (``peak_of(module, keep_outputs)`` compiles and measures); over the room, compiled
     again with plain checkpoint tags, which peak lower on some plans (docs/design.md, plans that
-    compile): the lower of the two.
+    compile): the lower of the two. Third, the peak with outputs kept, which the search aims by:
+    its line from eager predictions to compiled peaks is one mode's, whichever plan is kept.
 
     Example:
         >>> from planner.core.plan import Segment
         >>> plan = Plan(100, 90, 200, (Segment(("a",), 1.0, 10),), 1.0, 2.0, 0, "search", 0.0)
         >>> peaks = {True: 120, False: 95}  # kept outputs: over the room of 100; plain: within
-        >>> module, measured = compiled_and_measured(plan, lambda p: object(), 100, lambda m, keep: peaks[keep])
-        >>> measured.measured_peak_bytes
-        95
+        >>> module, measured, aimed_by = compiled_and_measured(plan, lambda p: object(), 100, lambda m, keep: peaks[keep])
+        >>> measured.measured_peak_bytes, aimed_by
+        (95, 120)
     """
     module = rewritten(candidate)
-    peak_bytes = peak_of(module, True)
+    peak_bytes = kept_bytes = peak_of(module, True)
     if peak_bytes > room_bytes and any(not segment.kept_nodes for segment in candidate.segments):
         plain = rewritten(candidate)
         plain_bytes = peak_of(plain, False)
@@ -160,7 +161,7 @@ def compiled_and_measured(candidate: Plan, rewritten: Callable[[Plan], Any], roo
                  peak_bytes / GIB, plain_bytes / GIB)
         if plain_bytes < peak_bytes:
             module, peak_bytes = plain, plain_bytes
-    return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes)
+    return module, dataclasses.replace(candidate, measured_peak_bytes=peak_bytes), kept_bytes
 
 
 def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph | None]:
@@ -218,12 +219,17 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         held = max(0, planning_room - eager_room_bytes)
         return int((exc.min_feasible_bytes - planning.reserve_bytes) * (1 - planning.safety_margin)) - held
 
-    def measured(candidate: Plan) -> tuple[Any, Plan]:
+    measured_peaks = [compiled_unoptimized]
+
+    def measured(candidate: Plan) -> tuple[Any, Plan, int]:
         if not candidate.segments:
-            return unoptimized, dataclasses.replace(candidate, measured_peak_bytes=compiled_unoptimized)
-        return compiled_and_measured(
+            return unoptimized, dataclasses.replace(candidate, measured_peak_bytes=compiled_unoptimized), \
+                compiled_unoptimized
+        module, plan, aim_peak = compiled_and_measured(
             candidate, rewritten, room_bytes,
             lambda module, keep: compiled_step_peak_bytes(module, inputs, step, backend=backend, keep_outputs=keep)[1])
+        measured_peaks.append(plan.measured_peak_bytes or aim_peak)
+        return module, plan, aim_peak
 
     target_bytes = room_bytes - margin_bytes  # aimed inside the room by the margin
     pairs = [PeakPair(simulate(graph).peak_bytes, compiled_unoptimized)]
@@ -249,10 +255,10 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         if solved.segments in compiled_before:
             break  # the solve gave a plan already compiled: nothing new to measure
         compiled_before.add(solved.segments)
-        module, plan = measured(solved)
+        module, plan, aim_peak = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None
-        pairs.append(PeakPair(plan.predicted_peak_bytes, peak, keeps_matmul_outputs(plan)))
+        pairs.append(PeakPair(plan.predicted_peak_bytes, aim_peak, keeps_matmul_outputs(plan)))
         if peak <= room_bytes and (best is None or plan.recompute_ms < best[1].recompute_ms):
             best = module, plan
         if peak <= room_bytes and (not plan.segments or room_bytes - peak <= 2 * margin_bytes):
@@ -268,7 +274,7 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
     best = _with_hand_plans(best, graph, pairs, room_bytes, budget_bytes, compiled_unoptimized, measured,
                             lambda modules: compiled_step_ms(modules, inputs, step))
     if best is None:
-        lowest = min(pair.compiled_measured_bytes for pair in pairs)
+        lowest = min(measured_peaks)
         raise InfeasibleBudgetError(budget_bytes, lowest + planning.reserve_bytes, note=(
             f"the lowest compiled plan measured {lowest / GIB:.4f} GiB (docs/memory.md#compiled-steps); "
             f"torch.compile(optimize(model, ..., compile=False)) runs the eager plan between compiled graphs, "
