@@ -28,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,14 +38,24 @@ from planner.core.plan import Plan, Segment
 from planner.core.simulate import simulate
 from planner.core.matmul_ops import segment_saved_ops
 from planner.solvers.hand_policies import HAND_PLACED, HandPlan, hand_placed_plans
+from planner.solvers.keep import segment_with_kept
 from planner.solvers.stage_plans import to_plan
 
 __all__ = ["PeakPair", "eager_target_bytes", "within_bracket", "hand_plans_to_compile", "keeps_matmul_outputs",
-           "MAX_COMPILED_HAND_PLANS"]
+           "cost_variant", "costed_on", "plan_structure", "MAX_COMPILED_HAND_PLANS", "MAX_FLOOR_VARIANTS",
+           "FLOOR_VARIANT_SPREAD"]
 
 #: Hand-placed plans compiled and measured at most beside the search's plans, the first that
 #: fits ending the search (docs/tuning.md#max_compiled_hand_plans).
 MAX_COMPILED_HAND_PLANS = 3
+
+#: Plans at the eager floor, other than the floor's own, compiled at most where that one
+#: measured over the room (:func:`cost_variant`; docs/tuning.md#max_floor_variants).
+MAX_FLOOR_VARIANTS = 3
+
+#: Each node's time moves by up to this share either way in a floor variant: about the spread of
+#: node times between timing passes on a shared CPU (docs/tuning.md#max_floor_variants).
+FLOOR_VARIANT_SPREAD = 0.1
 
 #: Slopes (compiled bytes per eager byte) a line through two measured pairs may take. Outside
 #: it (two plans whose compiled peaks barely differ, or a floor the plans do not move) the next
@@ -206,3 +218,46 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
         first = min(keeping, key=lambda r: r[3].recompute_ms)
         ordered = [first, *(r for r in ordered if r is not first)]
     return [plan for *_, plan in ordered[:limit]]
+
+
+def cost_variant(graph: CostGraph, seed: int, spread: float = FLOOR_VARIANT_SPREAD) -> CostGraph:
+    """``graph`` with each node's ``time_ms`` scaled by a factor drawn from ``[1 - spread, 1 +
+    spread]`` (seeded: the same variant every run). At the eager floor many plans peak alike
+    and differ in recompute cost by less than the timing noise, while their compiled peaks
+    differ by several percent: solving the floor on such variants finds those plans to compile.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", time_ms=1.0, output_storages=(0,)),), (Storage(0, 8),))
+        >>> t = cost_variant(g, seed=1).nodes[0].time_ms
+        >>> 0.9 <= t <= 1.1, t == cost_variant(g, seed=1).nodes[0].time_ms, t != 1.0
+        (True, True, True)
+    """
+    rng = random.Random(seed)
+    nodes = tuple(dataclasses.replace(n, time_ms=n.time_ms * (1 + rng.uniform(-spread, spread))) for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def costed_on(plan: Plan, graph: CostGraph) -> Plan:
+    """``plan`` with its segments' recompute costs counted on ``graph`` (a plan solved on a
+    :func:`cost_variant` reports the profile's own costs).
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode, Storage
+        >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, output_storages=(0,), saved_storages=(0,)),), (Storage(0, 8),))
+        >>> plan = Plan(0, 0, 0, (Segment(("a",), 9.0, 0),), 0.0, 0.0, 0, "-", 0.0)
+        >>> costed_on(plan, g).segments[0].recompute_ms
+        2.0
+    """
+    segments = tuple(segment_with_kept(graph, s.node_names, set(s.kept_nodes)) for s in plan.segments)
+    return dataclasses.replace(plan, segments=segments)
+
+
+def plan_structure(plan: Plan) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """What a compiled plan is, costs aside: each segment's nodes and kept nodes.
+
+    Example:
+        >>> plan_structure(Plan(0, 0, 0, (Segment(("a", "b"), 1.0, 0, kept_nodes=("a",)),), 0.0, 0.0, 0, "-", 0.0))
+        ((('a', 'b'), ('a',)),)
+    """
+    return tuple((s.node_names, s.kept_nodes) for s in plan.segments)

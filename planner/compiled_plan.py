@@ -15,7 +15,11 @@ temporaries) or elsewhere (the partitioner saves other tensors). :func:`plan_com
    the plans measured so far, kept between the highest eager prediction that fitted and the
    lowest that did not (up to :data:`MAX_COMPILED_SOLVES` plans; a solve giving a plan already
    compiled ends the search); the plan that measured within the room and recomputes least is
-   returned.
+   returned;
+4. where no plan fitted and a target fell below the eager floor, compiles other plans at the
+   same floor (:func:`_floor_variant`: plans that peak and cost alike eagerly compile to peaks
+   several percent apart);
+5. compiles the hand-placed plans worth trying beside the search's (:func:`_with_hand_plans`).
 
 The plan returned has ``measured_peak_bytes`` (the compiled step's), ``compile_graph_breaks``
 and ``compile_s`` set. Each plan checked costs one compile.
@@ -37,8 +41,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from planner.compiled_aim import (MAX_COMPILED_HAND_PLANS, PeakPair, eager_target_bytes, hand_plans_to_compile,
-                                  keeps_matmul_outputs, within_bracket)
+from planner.compiled_aim import (MAX_COMPILED_HAND_PLANS, MAX_FLOOR_VARIANTS, PeakPair, cost_variant, costed_on,
+                                  eager_target_bytes, hand_plans_to_compile, keeps_matmul_outputs, plan_structure,
+                                  within_bracket)
 from planner.core.costgraph import CostGraph, with_held_bytes
 from planner.core.errors import InfeasibleBudgetError, InputError
 from planner.core.options import COMPILE_BACKEND, check_budget_gb
@@ -136,6 +141,38 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
     return best
 
 
+def _floor_variant(floor_bytes: int, solve_for: Callable[[int, CostGraph], Plan], graph: CostGraph,
+                   compiled_before: set[tuple[Any, ...]], measured: Callable[[Plan], tuple[Any, Plan, int]],
+                   pairs: list[PeakPair], room_bytes: int) -> tuple[Any, Plan] | None:
+    """Where the plan at the eager floor measured over the room: the first plan at the same floor,
+    solved on the profile with its node times moved within a timing pass's spread
+    (:func:`planner.compiled_aim.cost_variant`, seeds 1, 2, ...), that compiles within the room.
+    Such plans peak alike eagerly and cost alike within the timing noise, but their compiled
+    peaks differ (docs/tuning.md#max_floor_variants). At most :data:`MAX_FLOOR_VARIANTS` plans
+    not compiled before are measured, each one's pair added to ``pairs``."""
+    compiled = 0
+    for seed in range(1, 3 * MAX_FLOOR_VARIANTS + 1):
+        if compiled == MAX_FLOOR_VARIANTS:
+            break
+        try:
+            candidate = solve_for(floor_bytes, cost_variant(graph, seed))
+        except InfeasibleBudgetError:
+            continue
+        if plan_structure(candidate) in compiled_before:
+            continue
+        compiled_before.add(plan_structure(candidate))
+        compiled += 1
+        module, plan, aim_peak = measured(candidate)
+        peak = plan.measured_peak_bytes
+        assert peak is not None
+        pairs.append(PeakPair(plan.predicted_peak_bytes, aim_peak, keeps_matmul_outputs(plan)))
+        log.info("plan at the eager floor (node times varied, seed %d) compiled measured %.4f GiB against a room of "
+                 "%.4f GiB", seed, peak / GIB, room_bytes / GIB)
+        if peak <= room_bytes:
+            return module, plan
+    return None
+
+
 def compiled_and_measured(candidate: Plan, rewritten: Callable[[Plan], Any], room_bytes: int,
                           peak_of: Callable[[Any, bool], int]) -> tuple[Any, Plan, int]:
     """``candidate`` rewritten and compiled with whole segments keeping their outputs, and its
@@ -207,11 +244,14 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
              "eager profile for the eager peak expected to compile into the room, then compiled and measured",
              compiled_unoptimized / GIB, (graph.measured_peak_bytes or 0) / GIB)
 
-    def solve_for(eager_room_bytes: int) -> Plan:
-        """The plan for an eager peak of ``eager_room_bytes`` (the solver's room, after the margin)."""
+    def solve_for(eager_room_bytes: int, costs: CostGraph | None = None) -> Plan:
+        """The plan for an eager peak of ``eager_room_bytes`` (the solver's room, after the margin),
+        solved on ``costs`` (a :func:`cost_variant` of the profile) where given."""
         extra_bytes = eager_room_bytes - planning_room
         held, room = max(0, -extra_bytes), max(0, extra_bytes)  # a smaller room: bytes held all step
-        solved = steps.plan(with_held_bytes(graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
+        solved = steps.plan(with_held_bytes(costs or graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
+        if costs is not None:
+            solved = costed_on(solved, with_held_bytes(graph, held))
         return dataclasses.replace(solved, budget_bytes=budget_bytes, measured_unoptimized_peak_bytes=compiled_unoptimized)
 
     def eager_floor_bytes(exc: InfeasibleBudgetError, eager_room_bytes: int) -> int:
@@ -235,26 +275,25 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
     pairs = [PeakPair(simulate(graph).peak_bytes, compiled_unoptimized)]
     eager_bytes = eager_target_bytes(pairs, target_bytes, graph.persistent_bytes)
     best: tuple[Any, Plan] | None = None
-    floor_tried = False
+    floor_bytes: int | None = None  # the eager floor, once a target fell below it
     compiled_before: set[tuple[Any, ...]] = set()
     for attempt in range(MAX_COMPILED_SOLVES):
         try:
             solved = solve_for(eager_bytes)
         except InfeasibleBudgetError as exc:
             # below the eager floor: the floor's plan may still fit compiled, which peaks lower
-            if best is not None:
-                break
+            if best is not None or floor_bytes is not None:
+                break  # the floor's plan measured already
             floor_bytes = eager_floor_bytes(exc, eager_bytes)
-            if floor_tried or floor_bytes <= eager_bytes:
+            if floor_bytes <= eager_bytes:
                 raise InfeasibleBudgetError(  # in the user's budget's terms
                     budget_bytes, max(budget_bytes + 1, budget_bytes + floor_bytes - eager_bytes), exc.note,
                     compiled_unoptimized) from None
-            floor_tried = True
             eager_bytes = floor_bytes
             solved = solve_for(eager_bytes)
-        if solved.segments in compiled_before:
+        if plan_structure(solved) in compiled_before:
             break  # the solve gave a plan already compiled: nothing new to measure
-        compiled_before.add(solved.segments)
+        compiled_before.add(plan_structure(solved))
         module, plan, aim_peak = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None
@@ -271,6 +310,8 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
                 "again for an eager peak of %.4f GiB (%d of %d)", peak / GIB, room_bytes / GIB,
                 plan.predicted_peak_bytes / GIB, following / GIB, attempt + 1, MAX_COMPILED_SOLVES - 1)
         eager_bytes = following
+    if best is None and floor_bytes is not None:
+        best = _floor_variant(floor_bytes, solve_for, graph, compiled_before, measured, pairs, room_bytes)
     best = _with_hand_plans(best, graph, pairs, room_bytes, budget_bytes, compiled_unoptimized, measured,
                             lambda modules: compiled_step_ms(modules, inputs, step))
     if best is None:

@@ -377,3 +377,53 @@ def test_a_compiled_plan_over_the_room_is_compiled_again_with_plain_checkpoint_t
     compiled.clear()
     compiled_and_measured(kept_only, lambda p: object(), 100, lambda m, keep: compiled.append(keep) or 120)
     assert compiled == [True]  # no whole segment: nothing to compile differently
+
+
+# ------------------------------------------------------------------ plans at the eager floor (fast)
+
+def test_floor_variants_compile_new_plans_until_one_fits():
+    """Where the floor's own plan measured over the room, plans at the same floor solved on varied
+    node times are compiled, skipping any compiled before or infeasible, until one fits."""
+    from planner.compiled_aim import MAX_FLOOR_VARIANTS, PeakPair, plan_structure
+    from planner.compiled_plan import _floor_variant
+    from planner.core.errors import InfeasibleBudgetError
+    from test_compiled_aim import _four_layers
+
+    def plan_of(*names):
+        return Plan(800, 790, 1100, tuple(Segment((n,), 1.0, 100) for n in names), 8.0, 20.0, 0, "search", 0.0)
+
+    floor_plan = plan_of("n1", "n3")
+    by_call = [floor_plan, None, plan_of("n2", "n4"), plan_of("n1", "n4"), plan_of("n2", "n3")]
+    floors: list[int] = []
+
+    def solve_for(eager_bytes, costs):
+        floors.append(eager_bytes)
+        plan = by_call[len(floors) - 1]
+        if plan is None:
+            raise InfeasibleBudgetError(800, 900)
+        return plan
+
+    peaks = {plan_structure(plan_of("n2", "n4")): 850, plan_structure(plan_of("n1", "n4")): 790}
+    measured_plans: list[Plan] = []
+
+    def measured(plan):
+        measured_plans.append(plan)
+        peak = peaks[plan_structure(plan)]
+        return f"module {len(measured_plans)}", dataclasses.replace(plan, measured_peak_bytes=peak), peak
+
+    pairs = [PeakPair(1100, 900)]
+    module, plan = _floor_variant(790, solve_for, _four_layers(), {plan_structure(floor_plan)}, measured, pairs, 800)
+    assert floors == [790] * 4  # the floor's plan again and an infeasible variant are passed over
+    assert [plan_structure(p) for p in measured_plans] == [plan_structure(plan_of("n2", "n4")),
+                                                          plan_structure(plan_of("n1", "n4"))]
+    assert module == "module 2" and plan.measured_peak_bytes == 790 and len(pairs) == 3
+
+    # none fits: at most MAX_FLOOR_VARIANTS new plans are compiled, and None is returned
+    distinct = iter(range(100))
+
+    def over_the_room(plan):
+        return "module", dataclasses.replace(plan, measured_peak_bytes=900), 900
+
+    over = _floor_variant(790, lambda eager_bytes, costs: plan_of(f"n{next(distinct)}"), _four_layers(), set(),
+                          over_the_room, [], 800)
+    assert over is None and next(distinct) == MAX_FLOOR_VARIANTS
