@@ -1,6 +1,7 @@
 """What a capture must hold steady around ``torch.export``: the key/value cache off for the
-training step, and stderr free of the partial graph a failed export prints (custom
-``torch.autograd.Function`` calls: :mod:`profiling.custom_functions`).
+training step, stderr free of the partial graph a failed export prints (custom
+``torch.autograd.Function`` calls: :mod:`profiling.custom_functions`), and no Python stack
+recorded per node.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["training_step_without_kv_cache", "partial_graph_kept_off_stderr"]
+__all__ = ["training_step_without_kv_cache", "partial_graph_kept_off_stderr", "no_node_stack_traces"]
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +86,26 @@ def partial_graph_kept_off_stderr() -> Iterator[None]:
         sys.stderr = real
         if held.getvalue():
             real.write(held.getvalue())
+
+
+@contextlib.contextmanager
+def no_node_stack_traces() -> Iterator[None]:
+    """Within the context, FX records no Python stack trace per captured node
+    (``torch.fx.config.do_not_emit_stack_traces``; restored on exit). The traces are a
+    debugging aid the planner does not read (its errors name a node's module path), and
+    recording them is a tenth of a capture (docs/tuning.md#node-stack-traces).
+
+    Example:
+        >>> import torch.fx.config
+        >>> with no_node_stack_traces():
+        ...     torch.fx.config.do_not_emit_stack_traces
+        True
+    """
+    import torch.fx.config as fx_config
+
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before

@@ -255,10 +255,10 @@ class ProfilingInterpreter(torch.fx.Interpreter):
         try:
             first_run_ms = self.time(run_once)
         except Exception as exc:
-            where = n.meta.get("stack_trace", "").strip().splitlines()[-1:] or [""]
+            stack = n.meta.get("nn_module_stack") or {}
+            where = f" (in module {list(stack.values())[-1][0]})" if stack else ""
             raise ProfileError(
-                f"node {n.name!r} ({n.op} {n.target}) failed while profiling: {type(exc).__name__}: {exc} "
-                f"{where[0].strip()}"
+                f"node {n.name!r} ({n.op} {n.target}){where} failed while profiling: {type(exc).__name__}: {exc}"
             ) from exc
         if self.tracker is not None:
             self.tracker.node_finished(n.name)

@@ -41,7 +41,7 @@ from planner.core.errors import InputError, TraceError
 from planner.core.options import TRACE_METHODS
 from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.batch_norm_updates import split_batch_norm_updates
-from profiling.capture_guards import partial_graph_kept_off_stderr, training_step_without_kv_cache
+from profiling.capture_guards import no_node_stack_traces, partial_graph_kept_off_stderr, training_step_without_kv_cache
 from profiling.custom_functions import custom_functions_as_ops
 from profiling.eager_attention import match_eager_attention
 from profiling.eager_grouped_mm import match_eager_grouped_mm
@@ -237,7 +237,7 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     try:
         if method == "export":
             with training_step_without_kv_cache(model) as turned_off, custom_functions_as_ops() as functions, \
-                    partial_graph_kept_off_stderr():
+                    partial_graph_kept_off_stderr(), no_node_stack_traces():
                 program = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
             if functions:
                 names = ", ".join(dict.fromkeys(f.__qualname__ for f in functions))
