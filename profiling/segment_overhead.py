@@ -6,7 +6,7 @@ nodes' time, each one pays for the checkpoint call in the forward (RNG state sav
 up), for its recompute in the backward (hooks on every saved tensor, the RNG state restored,
 the exception that stops the recompute at its last saved tensor) and for the unpacking of what
 it saved. Per segment that does not depend on the segment's size: on this project's 2-core CPU
-about 0.09 ms, comparable to a small pointwise node, so a plan of many short segments
+about 0.1 ms, comparable to a small pointwise node, so a plan of many short segments
 costs more than its nodes' times add up to (docs/tuning.md#segment_overhead_ms).
 :func:`segment_overhead_ms` measures it on the device at hand: a chain of tiny captured
 segments run forward and backward with and without checkpoint, interleaved, the difference of
