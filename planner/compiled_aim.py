@@ -239,8 +239,8 @@ def cost_variant(graph: CostGraph, seed: int, spread: float = FLOOR_VARIANT_SPRE
 
 
 def costed_on(plan: Plan, graph: CostGraph) -> Plan:
-    """``plan`` with its segments' recompute costs counted on ``graph`` (a plan solved on a
-    :func:`cost_variant` reports the profile's own costs).
+    """``plan`` with its segments' recompute costs, and its forward time, counted on ``graph`` (a
+    plan solved on a :func:`cost_variant` reports the profile's own costs).
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -250,7 +250,7 @@ def costed_on(plan: Plan, graph: CostGraph) -> Plan:
         2.0
     """
     segments = tuple(segment_with_kept(graph, s.node_names, set(s.kept_nodes)) for s in plan.segments)
-    return dataclasses.replace(plan, segments=segments)
+    return dataclasses.replace(plan, segments=segments, forward_ms=graph.forward_ms)
 
 
 def plan_structure(plan: Plan) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
