@@ -84,21 +84,22 @@ class TimedPass:
 
 
 def pass_spread(totals_ms: list[float]) -> float:
-    """``(slowest - fastest) / median`` of some timings, 0 for steady ones; from five timings
-    on, the one slowest and the one fastest are left out, so a single hiccup of the machine
-    does not count as noise of the whole.
+    """``(slowest - fastest) / median`` of some timings, 0 for steady ones; from three timings
+    on the slowest is left out, and from five the fastest too, so a single hiccup of the
+    machine (which makes a step slower, never faster) does not count as noise of the whole
+    and one more pass settles it (docs/tuning.md#timing_spread_limit).
 
     Example:
-        >>> pass_spread([10.0, 11.0, 12.0])
+        >>> pass_spread([10.0, 12.0])
         0.18181818181818182
-        >>> pass_spread([10.0, 10.0, 10.0, 10.0, 30.0])
-        0.0
+        >>> pass_spread([10.0, 10.5, 14.0]), pass_spread([10.0, 10.0, 10.0, 10.0, 30.0])
+        (0.04878048780487805, 0.0)
     """
     values = sorted(totals_ms)
     if len(values) < 2:
         return 0.0
-    if len(values) >= 5:
-        values = values[1:-1]
+    if len(values) >= 3:
+        values = values[1:-1] if len(values) >= 5 else values[:-1]
     median = statistics.median(values)
     return (values[-1] - values[0]) / median if median > 0 else 0.0
 

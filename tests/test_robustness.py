@@ -105,10 +105,10 @@ def _steady_and_noisy_timers(nodes_per_pass: int):
         fn()
         return 1.0
 
-    def noisy(fn):  # every other pass runs ten times slower, as beside a busy neighbour
+    def noisy(fn):  # each pass runs slower than the last, as beside a neighbour growing busier
         fn()
         calls["noisy"] += 1
-        return 10.0 if (calls["noisy"] - 1) // nodes_per_pass % 2 else 1.0
+        return 1.0 + (calls["noisy"] - 1) // nodes_per_pass
 
     return steady, noisy
 
@@ -124,8 +124,28 @@ def test_noisy_node_timings_take_more_passes_and_report_their_spread():
     assert calm.step_totals_ms == (len(timed) + 1.0,) * 3  # each pass's nodes plus its backward
     busy = time_nodes_in_passes(gm, [x], repeats=3, timer=noisy)
     assert busy.passes == MAX_TIMING_PASSES and busy.spread > TIMING_SPREAD_LIMIT
-    # five fast passes of nine: each node's median is the fast time
-    assert set(busy.time_ms.values()) == {1.0}
+    # nine passes, each slower than the last: each node's median is the middle pass's
+    assert set(busy.time_ms.values()) == {sorted(busy.step_totals_ms)[4] / (len(timed) + 1)}
+
+
+def test_one_slow_pass_among_steady_ones_takes_no_more_passes():
+    """A shared machine's hiccup makes one step slower: with the slowest of three passes left out
+    of the spread, the two that agree end the timing (counted, it would take five), and the
+    medians are the steady times."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    gm = trace_module(model, (x,))
+    per_pass = sum(n.op not in ("placeholder", "output") for n in gm.graph.nodes) + 1  # nodes, backward
+    calls = []
+
+    def third_pass_slow(fn):  # no warm-up: the third timed pass runs four times slower
+        fn()
+        calls.append(1)
+        return 4.0 if 2 * per_pass < len(calls) <= 3 * per_pass else 1.0
+
+    times = time_nodes_in_passes(gm, [x], repeats=3, timer=third_pass_slow, warm_up=False)
+    assert times.passes == 3 and len(calls) == 3 * per_pass
+    assert times.spread == 0.0 and set(times.time_ms.values()) == {1.0}
 
 
 def test_a_slow_first_timed_pass_is_dropped_once_and_timed_again():
