@@ -201,7 +201,7 @@ def hand_plans_to_compile(graph: CostGraph, pairs: Sequence[PeakPair], room_byte
     ranked: list[tuple[int, int, str, Plan]] = []
     hands = hand_placed_plans(graph)
     for hand in [*hands, *_partly_kept(hands)]:
-        key = tuple((s.node_names, s.kept_nodes) for s in hand.segments)
+        key = plan_structure(hand.segments)
         if not hand.segments or not all(_compiles(graph, s) for s in hand.segments) or key in seen:
             continue
         seen.add(key)
@@ -244,7 +244,8 @@ def costed_on(plan: Plan, graph: CostGraph) -> Plan:
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
-        >>> g = CostGraph((CostNode("a", "op", time_ms=2.0, output_storages=(0,), saved_storages=(0,)),), (Storage(0, 8),))
+        >>> node = CostNode("a", "op", time_ms=2.0, output_storages=(0,), saved_storages=(0,))
+        >>> g = CostGraph((node,), (Storage(0, 8),))
         >>> plan = Plan(0, 0, 0, (Segment(("a",), 9.0, 0),), 0.0, 0.0, 0, "-", 0.0)
         >>> costed_on(plan, g).segments[0].recompute_ms
         2.0
@@ -253,11 +254,11 @@ def costed_on(plan: Plan, graph: CostGraph) -> Plan:
     return dataclasses.replace(plan, segments=segments, forward_ms=graph.forward_ms)
 
 
-def plan_structure(plan: Plan) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
-    """What a compiled plan is, costs aside: each segment's nodes and kept nodes.
+def plan_structure(segments: Sequence[Segment]) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """What a compiled plan of ``segments`` is, costs aside: each segment's nodes and kept nodes.
 
     Example:
-        >>> plan_structure(Plan(0, 0, 0, (Segment(("a", "b"), 1.0, 0, kept_nodes=("a",)),), 0.0, 0.0, 0, "-", 0.0))
+        >>> plan_structure((Segment(("a", "b"), 1.0, 0, kept_nodes=("a",)),))
         ((('a', 'b'), ('a',)),)
     """
-    return tuple((s.node_names, s.kept_nodes) for s in plan.segments)
+    return tuple((s.node_names, s.kept_nodes) for s in segments)

@@ -158,9 +158,9 @@ def _floor_variant(floor_bytes: int, solve_for: Callable[[int, CostGraph], Plan]
             candidate = solve_for(floor_bytes, cost_variant(graph, seed))
         except InfeasibleBudgetError:
             continue
-        if plan_structure(candidate) in compiled_before:
+        if plan_structure(candidate.segments) in compiled_before:
             continue
-        compiled_before.add(plan_structure(candidate))
+        compiled_before.add(plan_structure(candidate.segments))
         compiled += 1
         module, plan, aim_peak = measured(candidate)
         peak = plan.measured_peak_bytes
@@ -249,7 +249,8 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
         solved on ``costs`` (a :func:`cost_variant` of the profile) where given."""
         extra_bytes = eager_room_bytes - planning_room
         held, room = max(0, -extra_bytes), max(0, extra_bytes)  # a smaller room: bytes held all step
-        solved = steps.plan(with_held_bytes(costs or graph, held), budget_gb + room / (1 - planning.safety_margin) / GIB)
+        budget_for_room_gb = budget_gb + room / (1 - planning.safety_margin) / GIB
+        solved = steps.plan(with_held_bytes(costs or graph, held), budget_for_room_gb)
         if costs is not None:
             solved = costed_on(solved, with_held_bytes(graph, held))
         return dataclasses.replace(solved, budget_bytes=budget_bytes, measured_unoptimized_peak_bytes=compiled_unoptimized)
@@ -291,9 +292,9 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
                     compiled_unoptimized) from None
             eager_bytes = floor_bytes
             solved = solve_for(eager_bytes)
-        if plan_structure(solved) in compiled_before:
+        if plan_structure(solved.segments) in compiled_before:
             break  # the solve gave a plan already compiled: nothing new to measure
-        compiled_before.add(plan_structure(solved))
+        compiled_before.add(plan_structure(solved.segments))
         module, plan, aim_peak = measured(solved)
         peak = plan.measured_peak_bytes
         assert peak is not None

@@ -403,19 +403,20 @@ def test_floor_variants_compile_new_plans_until_one_fits():
             raise InfeasibleBudgetError(800, 900)
         return plan
 
-    peaks = {plan_structure(plan_of("n2", "n4")): 850, plan_structure(plan_of("n1", "n4")): 790}
+    peaks = {plan_structure(plan_of("n2", "n4").segments): 850, plan_structure(plan_of("n1", "n4").segments): 790}
     measured_plans: list[Plan] = []
 
     def measured(plan):
         measured_plans.append(plan)
-        peak = peaks[plan_structure(plan)]
+        peak = peaks[plan_structure(plan.segments)]
         return f"module {len(measured_plans)}", dataclasses.replace(plan, measured_peak_bytes=peak), peak
 
     pairs = [PeakPair(1100, 900)]
-    module, plan = _floor_variant(790, solve_for, _four_layers(), {plan_structure(floor_plan)}, measured, pairs, 800)
+    compiled_before = {plan_structure(floor_plan.segments)}
+    module, plan = _floor_variant(790, solve_for, _four_layers(), compiled_before, measured, pairs, 800)
     assert floors == [790] * 4  # the floor's plan again and an infeasible variant are passed over
-    assert [plan_structure(p) for p in measured_plans] == [plan_structure(plan_of("n2", "n4")),
-                                                          plan_structure(plan_of("n1", "n4"))]
+    assert [plan_structure(p.segments) for p in measured_plans] == [
+        plan_structure(plan_of("n2", "n4").segments), plan_structure(plan_of("n1", "n4").segments)]
     assert module == "module 2" and plan.measured_peak_bytes == 790 and len(pairs) == 3
 
     # none fits: at most MAX_FLOOR_VARIANTS new plans are compiled, and None is returned
