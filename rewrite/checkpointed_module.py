@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,8 +61,16 @@ class PlannedVariant:
     plan: Plan
     cost_graph: CostGraph | None
 
+    #: what runs it in training (:meth:`CheckpointedModule._runner`), made on its first call
+    runner: Any = field(default=None, repr=False, compare=False)
+    #: the step it was planned for keeps the output through the backward; with a profile it is
+    #: the profile's, without one the options' it was planned with (set by the module)
+    output_held: bool = False
+
     def __post_init__(self) -> None:
         call_operators_directly(self.graph_module)  # what runs each step: no Python frame per operator
+        if self.cost_graph is not None:
+            self.output_held = self.cost_graph.output_held
 
 
 def _parameter_bytes(module: torch.nn.Module) -> int:
@@ -142,7 +151,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         if example_inputs is not None:
             inputs = StepInputs.from_example(example_inputs)
             self._planned_key = self._key(inputs, grads_held=False)
-            self._remember(self._planned_key, PlannedVariant(graph_module, plan, cost_graph), inputs)
+            self._remember(self._planned_key, self._new_variant(graph_module, plan, cost_graph), inputs)
             if cost_graph is None and hasattr(replan, "profile_for"):
                 # planned without a profile (the measured unoptimized step fit the budget):
                 # the example inputs are profiled if ``cost_graph`` is ever read
@@ -179,28 +188,47 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
     def _key(self, inputs: StepInputs, grads_held: bool | None = None) -> tuple[Any, ...]:
         """What a plan depends on: input signature, autocast state, the submodules in eval mode
         (traced as such) and whether parameter gradients already exist."""
-        # one walk for both: it runs every training step, where each pass over a few hundred
-        # submodules costs tens of microseconds on a cold cache
-        in_eval: list[str] = []
-        found_grad = False
-        for name, m in self._named_submodules():
+        # it runs every training step, right after the last one's backward has emptied the CPU
+        # caches: plain loops over lists made once (on a cold cache they beat map/attrgetter
+        # chains, which touch more code), no generator per submodule
+        names, modules, parameter_dicts = self._submodule_lists()
+        in_eval: tuple[str, ...] = ()
+        for m in modules:
             if not m.training:
-                in_eval.append(name)
-            if not found_grad and grads_held is None:
-                # each module's own parameters: fully_shard may have replaced them
-                found_grad = any(p is not None and p.grad is not None for p in m._parameters.values())
-        return (input_signature(inputs), autocast_state(), tuple(in_eval),
-                found_grad if grads_held is None else grads_held)
+                in_eval = tuple(name for name, sub in zip(names, modules) if not sub.training)
+                break
+        if grads_held is None:
+            grads_held = False
+            # each module's own parameter dict, read now: fully_shard may have replaced its values
+            for parameters in parameter_dicts:
+                for p in parameters.values():
+                    if p is not None and p.grad is not None:
+                        grads_held = True
+                        break
+                if grads_held:
+                    break
+        return (input_signature(inputs), autocast_state(), in_eval, grads_held)
 
-    def _named_submodules(self) -> list[tuple[str, torch.nn.Module]]:
+    def _submodule_lists(self) -> tuple[list[str], list[torch.nn.Module], list[dict[str, Any]]]:
         """``self.original.named_modules()`` as first walked (a submodule added later is not in
-        the captured graph either): the walk, and ``parameters()``'s, cost about a millisecond a
-        step on a model of a few hundred submodules."""
+        the captured graph either) as names and modules, and the parameter dicts of those that
+        hold parameters: the walk, and ``parameters()``'s, cost about a millisecond a step on a
+        model of a few hundred submodules."""
         cached = self.__dict__.get("_submodules")
         if cached is None:
-            cached = list(self.original.named_modules())
+            walked = list(self.original.named_modules())
+            cached = ([name for name, _ in walked], [m for _, m in walked],
+                      [m._parameters for _, m in walked if m._parameters])
             object.__setattr__(self, "_submodules", cached)
         return cached
+
+    def _new_variant(self, gm: torch.fx.GraphModule, plan: Plan, graph: CostGraph | None) -> PlannedVariant:
+        """A variant of ``gm`` and ``plan``; planned without a profile (``graph`` None), its step is
+        the one of the options it was planned with."""
+        variant = PlannedVariant(gm, plan, graph)
+        if graph is None:
+            variant.output_held = getattr(getattr(self.replan, "capture", None), "output_held", True)
+        return variant
 
     def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
         self._variants[key] = variant
@@ -273,7 +301,9 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
 
     def _looked_up_variant(self, inputs: StepInputs, explicit: bool) -> PlannedVariant:
         key = self._key(inputs)
-        variant = self._planned_variant(key, inputs, explicit)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._planned_variant(key, inputs, explicit)
         units = fsdp_unit_paths(self) if _distributed_world_size() > 1 else ()
         return self._with_units(key, variant, units) if units else variant
 
@@ -300,7 +330,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
             log.info("re-planned for %d FSDP units: no segment spans two units%s; %d segments", len(units),
                      f", {format_bytes(in_flight)} for the units in flight" if sharded else "", len(plan.segments))
         insert_unit_hooks(gm, self.original, units)
-        unit_variant = PlannedVariant(apply_plan(gm, plan), plan, variant.cost_graph)
+        unit_variant = self._new_variant(apply_plan(gm, plan), plan, variant.cost_graph)
         self._unit_variants[(key, units)] = unit_variant
         return unit_variant
 
@@ -308,7 +338,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         if self._planned_key is None and self.graph_module is not None:
             # built without example inputs: the first call is the planned one
             self._planned_key = key
-            self._variants[key] = PlannedVariant(self.graph_module, self.plan, self.cost_graph)
+            self._variants[key] = self._new_variant(self.graph_module, self.plan, self.cost_graph)
         variant = self._variants.get(key)
         if variant is not None:
             return variant
@@ -351,7 +381,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
                 gm, plan, graph = self.replan(self.original, inputs, profile[0] if profile else None, grads_held)
         if not attach_to_user_modules(gm, self.original):
             log.debug("re-planned graph keeps its own module tree")
-        variant = PlannedVariant(gm, plan, graph)
+        variant = self._new_variant(gm, plan, graph)
         self._remember(key, variant, inputs)
         if self.graph_module is None:  # loaded from a file: this is its graph now
             object.__setattr__(self, "graph_module", gm)
@@ -393,14 +423,14 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
     def _checkpointed_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.original.training:  # opt.eval() or model.eval(): the user's own module
             return self.original(*args, **kwargs)
-        self._check_the_caller()
+        if "transformers.trainer" in sys.modules:
+            self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
-        output = self._runner(variant)(*args, **kwargs)
-        if variant.cost_graph is not None:
-            output_held = variant.cost_graph.output_held
-        else:  # planned without a profile: the step of the options it was planned with
-            output_held = getattr(getattr(self.replan, "capture", None), "output_held", True)
-        if not output_held:
+        runner = variant.runner
+        if runner is None:
+            runner = variant.runner = self._runner(variant)
+        output = runner(*args, **kwargs)
+        if not variant.output_held:
             self._held_output_check.watch(output)
         return output
 

@@ -6,8 +6,11 @@ loss.backward()`` with ``out`` still alive) holds those bytes through the whole 
 the measured peak can pass the budget. :class:`HeldOutputCheck` keeps a weak reference to each
 output tensor and registers a gradient hook on it: the hook runs in the backward once every
 function that saved the tensor (the criterion's, a later layer's) has run and released it, so
-a tensor still alive then is the loop's. It warns once, with the bytes over the plan and the option that fixes it. A weak
-reference and a hook per output tensor cost nothing measurable.
+a tensor still alive then is the loop's. It warns once, with the bytes over the plan and the
+option that fixes it. A training loop does the same thing every step, so it watches the first
+:data:`WATCHED_FIRST_CALLS` calls and every :data:`WATCH_EVERY_CALLS`-th after them: the
+weak reference and hook cost tens of microseconds a call right after a backward, a few percent of
+a small model's step (docs/tuning.md#watch_every_calls).
 
 Example:
     >>> import torch, warnings
@@ -31,19 +34,31 @@ import torch
 from torch.utils._pytree import tree_leaves
 from planner.core.units import format_bytes
 
-__all__ = ["HeldOutputCheck"]
+__all__ = ["HeldOutputCheck", "WATCHED_FIRST_CALLS", "WATCH_EVERY_CALLS"]
 
+#: Calls watched one by one from the first: a loop that holds the output is caught at once.
+WATCHED_FIRST_CALLS = 8
+#: After the first calls, every this many-th call is watched: a loop that holds the output only
+#: on some steps (logging every n steps) is still caught, at a sixteenth of the cost.
+WATCH_EVERY_CALLS = 16
 
 
 class HeldOutputCheck:
     """Warns once when output tensors outlive the loss into the backward (see module docs)."""
 
+    #: training calls seen (a class default: a check saved without it reads 0)
+    calls = 0
+
     def __init__(self) -> None:
         self.warned = False
 
     def watch(self, output: Any) -> None:
-        """Watch the non-scalar differentiable tensors of ``output`` (the loss is held by design)."""
-        if self.warned or not torch.is_grad_enabled():
+        """Watch the non-scalar differentiable tensors of ``output`` (the loss is held by design)
+        on the calls it samples (see module docs)."""
+        self.calls += 1
+        if self.warned or (self.calls > WATCHED_FIRST_CALLS and self.calls % WATCH_EVERY_CALLS):
+            return
+        if not torch.is_grad_enabled():
             return
         if isinstance(output, torch.Tensor):
             leaves: list[Any] = [output]

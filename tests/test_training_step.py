@@ -119,3 +119,23 @@ def test_loss_fn_must_return_a_scalar(net):
         optimize(model, example, budget_gb=1.0, loss_fn=lambda out: out, **FAST)
     with pytest.raises(Exception, match="loss_fn must be a callable"):
         optimize(model, example, budget_gb=1.0, loss_fn="cross_entropy", **FAST)
+
+
+def test_after_the_first_calls_every_sixteenth_call_is_watched():
+    from rewrite.held_output import WATCH_EVERY_CALLS, WATCHED_FIRST_CALLS, HeldOutputCheck
+
+    check, layer = HeldOutputCheck(), torch.nn.Linear(4, 4)
+    held_on_warned_call = []
+    for call in range(1, 2 * WATCH_EVERY_CALLS + 1):
+        out = layer(torch.randn(3, 4))
+        check.watch(out)
+        if call > WATCHED_FIRST_CALLS:  # the loop starts holding its output after the first calls
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out.sum().backward()
+            if caught:
+                held_on_warned_call.append(call)
+        else:
+            out.sum().item()
+            del out
+    assert held_on_warned_call == [WATCH_EVERY_CALLS]  # unwatched calls in between; then it warns once
