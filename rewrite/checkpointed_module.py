@@ -278,7 +278,12 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
 
     def _runner(self, variant: PlannedVariant) -> Any:
         """What runs ``variant`` in training: its graph, compiled where ``optimize(compile=...)``
-        asked for it (:mod:`rewrite.compiled`)."""
+        asked for it (:mod:`rewrite.compiled`); made once per variant."""
+        if variant.runner is None:
+            variant.runner = self._new_runner(variant)
+        return variant.runner
+
+    def _new_runner(self, variant: PlannedVariant) -> Any:
         backend = getattr(getattr(self.replan, "capture", None), "compile_backend", None)
         if backend is None:
             return variant.graph_module
@@ -426,10 +431,7 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         if "transformers.trainer" in sys.modules:
             self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
-        runner = variant.runner
-        if runner is None:
-            runner = variant.runner = self._runner(variant)
-        output = runner(*args, **kwargs)
+        output = (variant.runner or self._runner(variant))(*args, **kwargs)
         if not variant.output_held:
             self._held_output_check.watch(output)
         return output
