@@ -25,7 +25,7 @@ from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.measure import StepInputs
 from rewrite.attach import attach_to_user_modules, share_module_state
-from rewrite.held_output import HeldOutputCheck
+from rewrite.held_output import HeldOutputCheck, WatchesHeldOutput
 from rewrite.operator_calls import call_operators_directly
 from rewrite.saving import SavesAsTheModel
 from rewrite.segments import apply_plan, fresh_copy
@@ -89,7 +89,7 @@ def _distributed_world_size() -> int:
     return 1
 
 
-class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
+class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
     """The module ``optimize`` returns: the rewritten graph in training, the user's own module
     in eval mode (``opt.eval()`` or ``model.eval()``: the graph is specialised to training).
 
@@ -227,8 +227,16 @@ class CheckpointedModule(SavesAsTheModel, torch.nn.Module):
         the one of the options it was planned with."""
         variant = PlannedVariant(gm, plan, graph)
         if graph is None:
-            variant.output_held = getattr(getattr(self.replan, "capture", None), "output_held", True)
+            variant.output_held = self.planned_output_held()
         return variant
+
+    def planned_output_held(self) -> bool:
+        """Whether the plan was made for a loop that keeps the output through the backward (the
+        profile's, or without one the options' it was planned with: every variant has the same)."""
+        graph = self.__dict__.get("_cost_graph")
+        if graph is not None:
+            return bool(graph.output_held)
+        return bool(getattr(getattr(self.replan, "capture", None), "output_held", True))
 
     def _remember(self, key: tuple[Any, ...], variant: PlannedVariant, inputs: StepInputs) -> None:
         self._variants[key] = variant

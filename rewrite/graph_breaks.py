@@ -33,6 +33,7 @@ from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan
 from profiling.graph_breaks import op_node_index
 from rewrite.op_regions import RegionRunner
+from rewrite.held_output import WatchesHeldOutput
 from rewrite.saving import SavesAsTheModel
 from rewrite.signature import ForwardWithTheModelsSignature, signature_of
 from rewrite.attach import share_module_state
@@ -75,7 +76,7 @@ def input_signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, .
     return tuple((name, tuple(v.shape), v.dtype) for name, v in items if isinstance(v, torch.Tensor))
 
 
-class BreakCheckpointedModule(SavesAsTheModel, torch.nn.Module):
+class BreakCheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
     """The user's module run with ``regions`` (op index ranges) checkpointed in training; in eval
     mode or under ``torch.no_grad()``, the user's module as it is. Its module tree *is* the
     user's (``state_dict()`` keys and parameter objects are the model's own). ``plan``
@@ -157,6 +158,8 @@ class BreakCheckpointedModule(SavesAsTheModel, torch.nn.Module):
             return self.original(*args, **kwargs)
         self._check_the_caller()
         with self.checkpoints_installed(*args, **kwargs):
-            return self.original(*args, **kwargs)
+            output = self.original(*args, **kwargs)
+        self.watch_output(output)
+        return output
 
     forward = ForwardWithTheModelsSignature()

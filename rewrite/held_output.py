@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from planner.core.units import format_bytes
 
-__all__ = ["HeldOutputCheck", "WATCHED_FIRST_CALLS", "WATCH_EVERY_CALLS"]
+__all__ = ["HeldOutputCheck", "WatchesHeldOutput", "WATCHED_FIRST_CALLS", "WATCH_EVERY_CALLS"]
 
 #: Calls watched one by one from the first: a loop that holds the output is caught at once.
 WATCHED_FIRST_CALLS = 8
@@ -90,3 +90,27 @@ class HeldOutputCheck:
                 stacklevel=2)
 
         return check
+
+
+class WatchesHeldOutput:
+    """For the modules that wrap a model (the captured graph, the module path, the graph-break
+    path): :meth:`watch_output` watches a training call's output where the plan counted it
+    freed once the loss was taken, with one :class:`HeldOutputCheck` per module. ``planner.enable``
+    calls it on the output of the model's own forward."""
+
+    def planned_output_held(self) -> bool:
+        """Whether the plan was made for a loop that keeps the output through the backward (its
+        profile's ``output_held``; True without a profile: nothing to watch)."""
+        graph = self.__dict__.get("cost_graph")
+        return True if graph is None else bool(graph.output_held)
+
+    def watch_output(self, output: Any) -> None:
+        """Watch ``output`` of a training call (see :class:`HeldOutputCheck`) unless the plan
+        assumed it held."""
+        if self.planned_output_held():
+            return
+        check = self.__dict__.get("_held_output_check")
+        if check is None:  # also a module saved before it had one
+            check = HeldOutputCheck()
+            object.__setattr__(self, "_held_output_check", check)
+        check.watch(output)

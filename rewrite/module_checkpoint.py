@@ -30,6 +30,7 @@ import torch.utils.checkpoint
 
 from planner.core.costgraph import CostGraph
 from planner.core.plan import Plan
+from rewrite.held_output import WatchesHeldOutput
 from rewrite.saving import SavesAsTheModel
 from rewrite.signature import ForwardWithTheModelsSignature, signature_of
 from rewrite.attach import share_module_state
@@ -75,7 +76,7 @@ def _buffers_restored(module: torch.nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
-class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
+class ModuleCheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
     """The user's module with the submodules at ``checkpointed`` (module paths) run under
     ``torch.utils.checkpoint`` in training, and each run ``run:<first>..<last>``
     (:mod:`profiling.module_runs`) from its first call's start to its last call's end as a range
@@ -146,6 +147,8 @@ class ModuleCheckpointedModule(SavesAsTheModel, torch.nn.Module):
             return self.original(*args, **kwargs)
         self._check_the_caller()
         with self.checkpoints_installed():
-            return self.original(*args, **kwargs)
+            output = self.original(*args, **kwargs)
+        self.watch_output(output)
+        return output
 
     forward = ForwardWithTheModelsSignature()

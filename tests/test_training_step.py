@@ -139,3 +139,32 @@ def test_after_the_first_calls_every_sixteenth_call_is_watched():
             out.sum().item()
             del out
     assert held_on_warned_call == [WATCH_EVERY_CALLS]  # unwatched calls in between; then it warns once
+
+
+@pytest.mark.parametrize("way_in", ["enable", "modules", "graph-breaks"])
+def test_every_way_in_warns_once_when_the_loop_holds_the_output(net, way_in):
+    import copy
+
+    from planner import disable, enable
+
+    model, example, y = net
+    model = copy.deepcopy(model)
+    fraction = 1.0 if way_in == "modules" else 0.8  # its whole-layer units: nothing smaller fits here
+    budget_gb = fraction * measure_step_peak_bytes(model, StepInputs.from_example(example)) / 2**30
+    if way_in == "enable":
+        run = enable(model, example, budget_gb=budget_gb, **FAST)
+    else:
+        run = optimize(model, example, budget_gb=budget_gb, trace_method=way_in, **FAST)
+        assert run.plan.capture != "graph" and not run.cost_graph.output_held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.cross_entropy(run(*example), y).backward()  # output dropped: silent
+    with pytest.warns(UserWarning, match="output_held=True"):
+        out = run(*example)
+        F.cross_entropy(out, y).backward()  # ``out`` still held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = run(*example)
+        F.cross_entropy(out, y).backward()  # once only
+    if way_in == "enable":
+        disable(model)

@@ -146,6 +146,7 @@ class _PlannedForward:
                 or torch.compiler.is_exporting():  # a capture of the model (assert_peak_memory) sees its own step
             return self._unplanned()(*args, **kwargs)
         self.busy = True
+        graph = None
         try:
             module = self.module
             if module is None:
@@ -157,14 +158,18 @@ class _PlannedForward:
                     f"or call planner.disable(model) and planner.enable(model, ...) again")
             if isinstance(module, ModuleCheckpointedModule):  # the module path: the model's own forward,
                 with module.checkpoints_installed():          # its planned submodules checkpointed
-                    return self._unplanned()(*args, **kwargs)
-            if isinstance(module, BreakCheckpointedModule):  # the graph-break path: the model's own forward,
+                    output = self._unplanned()(*args, **kwargs)
+            elif isinstance(module, BreakCheckpointedModule):  # the graph-break path: the model's own forward,
                 with module.checkpoints_installed(*args, **kwargs):  # its planned op ranges checkpointed
-                    return self._unplanned()(*args, **kwargs)
-            graph = module.training_graph_for(*args, **kwargs)
+                    output = self._unplanned()(*args, **kwargs)
+            else:
+                graph = module.training_graph_for(*args, **kwargs)
         finally:
             self.busy = False
-        return graph(*args, **kwargs)
+        if graph is not None:
+            output = graph(*args, **kwargs)
+        module.watch_output(output)  # a loop that holds what the plan freed warns once
+        return output
 
     def plan(self, example_inputs: Any) -> CheckpointedModule | ModuleCheckpointedModule:
         """Plan the model for ``example_inputs`` (RNG, buffers and ``.grad`` left as they were)."""
