@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from planner.core.costgraph import CostGraph, CostNode
 from profiling.cost_nodes import StorageTable, cost_nodes
 from profiling.criterion import criterion_inputs, criterion_name, criterion_node, expanded_gradient_inputs, run_criterion
+from profiling.device_overheads import device_overheads_ms
 from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
@@ -60,8 +61,6 @@ from profiling.node_times import (
 )
 from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
-from profiling.segment_overhead import segment_overhead_ms
-from profiling.selective_overhead import selective_overhead_ms_per_node
 from profiling.temporaries import FakeAllocationTracker, NodePeaks, measure_node_peaks
 
 __all__ = ["profile_graph", "flat_graph_inputs", "measure_unoptimized_step", "UnoptimizedStep"]
@@ -132,6 +131,8 @@ def measure_unoptimized_step(gm: torch.fx.GraphModule, inputs: StepInputs,
     peaks = measure_node_peaks(gm, inputs, step, criterion_name(n.name for n in gm.graph.nodes))
     assert peaks.step_peak_bytes is not None, "a CPU step's node peaks carry the step's peak"
     return UnoptimizedStep(peaks.step_peak_bytes, peaks)
+
+
 
 
 def profile_graph(
@@ -278,8 +279,8 @@ def profile_graph(
         loss_names=loss_names,
         step_ms=step_ms,
         segment_overhead_bytes=_rng_state_bytes(device),
-        selective_overhead_ms_per_node=0.0 if fake else selective_overhead_ms_per_node(device),
-        segment_overhead_ms=0.0 if fake else segment_overhead_ms(device),
+        selective_overhead_ms_per_node=0.0 if fake else device_overheads_ms(device).selective_ms_per_node,
+        segment_overhead_ms=0.0 if fake else device_overheads_ms(device).segment_ms,
         measured_peak_bytes=measured_peak_bytes,
         output_held=step.output_held,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,
