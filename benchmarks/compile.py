@@ -1,4 +1,4 @@
-"""Plans that compile: ``optimize(..., compile=True)`` against the compiled anchors, on CPU with Inductor.
+"""Plans that compile: ``optimize(..., compile=True)`` against the compiled anchors, with Inductor on CPU or a GPU.
 
 For a HF GPT-2 and a Llama-style model (4 layers, width 256), every row is one training step
 (``model(**batch).loss.backward()``) run under ``torch.compile`` (Inductor):
@@ -23,6 +23,11 @@ attention and residual dropout 0.1).
 
     python benchmarks/compile.py --docs                # both models, about 25 min on 2 cores
     python benchmarks/compile.py --models gpt2 --batch 2 --repeats 3
+    python benchmarks/compile.py --device cuda --quick --docs   # on a GPU: docs/benchmarks/compile_cuda.md
+
+``--quick`` keeps every-layer's peak as the only budget and 0.5 as the only
+``activation_memory_budget`` fraction, leaves out ``compile(optimize)``, and times 3 repeats:
+the prepared GPU run's step (``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MIB, ROOT, add_docs_argument, benchmark_logging, isolated_profile_cache, publish_table,  # noqa: E402
-                    step_time_ratios)
+                    step_time_ratios, to_device)
 from models import gpt2, llama  # noqa: E402
 
 from planner import optimize  # noqa: E402
@@ -64,6 +69,13 @@ MODELS: dict[str, tuple[Callable[..., tuple[torch.nn.Module, Any]], str]] = {
 }
 #: the ``activation_memory_budget`` fractions tried; the one closest to each budget is shown
 MEMORY_BUDGET_FRACTIONS = (0.7, 0.5, 0.3, 0.1)
+#: ``--quick``: the fraction tried and the budget planned (every layer's peak)
+QUICK_MEMORY_BUDGET_FRACTIONS = (0.5,)
+QUICK_BUDGETS = ("every layer's peak",)
+
+
+class _LeftOut(Exception):
+    """A row ``--quick`` does not run."""
 
 
 @dataclass
@@ -112,9 +124,10 @@ def first_step(row: Row, module: Any, inputs: StepInputs) -> None:
     module.zero_grad(set_to_none=True)
 
 
-def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[Row], dict[str, Any]]:
+def run_model(name: str, batch: int, seq_len: int, repeats: int, device: torch.device = torch.device("cpu"),
+              quick: bool = False) -> tuple[list[Row], dict[str, Any]]:
     build, about = MODELS[name]
-    model, example = build(batch=batch, seq_len=seq_len)
+    model, example = to_device(*build(batch=batch, seq_len=seq_len), device)
     inputs = StepInputs.from_example(example)
     rows: list[Row] = []
     eager_peak = measure_step_peak_bytes(model, inputs)
@@ -141,8 +154,10 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[R
 
     budgets = [("80% of compiled none", none.peak_bytes * 4 // 5), ("every layer's peak", every.peak_bytes),
                ("50% of compiled none", none.peak_bytes // 2)]
+    if quick:
+        budgets = [b for b in budgets if b[0] in QUICK_BUDGETS]
     fraction_rows: list[Row] = []
-    for fraction in MEMORY_BUDGET_FRACTIONS:
+    for fraction in QUICK_MEMORY_BUDGET_FRACTIONS if quick else MEMORY_BUDGET_FRACTIONS:
         row = Row(f"compile budget {fraction:g}")
         row.module = torch.compile(model, backend=memory_budget_backend(fraction))
         first_step(row, row.module, inputs)
@@ -155,6 +170,8 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[R
         budget_gb = budget_bytes / 2**30
         eager_plan = Row("compile(optimize)", label)
         try:
+            if quick:
+                raise _LeftOut
             started = time.perf_counter()
             planned = optimize(model, example, budget_gb=budget_gb)
             eager_plan.note = f"optimize {time.perf_counter() - started:.0f} s"
@@ -164,6 +181,8 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[R
             eager_plan.same_loss = bool(torch.equal(seeded_loss(eager_plan.module, inputs), reference_loss))
         except PlannerError as exc:
             eager_plan.note = f"no plan: {str(exc).splitlines()[0][:120]}"
+        except _LeftOut:
+            eager_plan.note = "left out (--quick)"
         rows.append(eager_plan)
 
         compiled_plan = Row("optimize compile=True", label)
@@ -193,7 +212,7 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int) -> tuple[list[R
     for r in timed:
         if all(r.module is not m for m in unique):
             unique.append(r.module)
-    ratios = step_time_ratios(unique, inputs, repeats=repeats)
+    ratios = step_time_ratios(unique, inputs, repeats=repeats, device=device)
     by_module = {id(m): ratio for m, ratio in zip(unique, ratios)}
     for r in timed:
         r.time_ratio = by_module[id(r.module)]
@@ -213,10 +232,12 @@ def _mib(n: int | None) -> str:
 
 
 def markdown(results: dict[str, tuple[list[Row], dict[str, Any]]], repeats: int, wall_s: float,
-             warm_cache: bool = False) -> str:
+             warm_cache: bool = False, device: torch.device = torch.device("cpu")) -> str:
     cache = "Inductor's on-disk cache reused (--warm-cache)" if warm_cache else "a fresh Inductor cache (first compiles)"
+    machine = (f"{torch.cuda.get_device_name(device)} GPU" if device.type == "cuda" else
+               f"{platform.machine()} CPU ({os.cpu_count()} cores, shared), {torch.get_num_threads()} thread")
     lines = [
-        f"Machine: {platform.machine()} CPU ({os.cpu_count()} cores, shared), {torch.get_num_threads()} thread; "
+        f"Machine: {machine}; "
         f"torch {torch.__version__}, Inductor, {cache}; {repeats} interleaved timing repeats; "
         f"wall time {wall_s / 60:.1f} min.",
         "",
@@ -245,7 +266,7 @@ def markdown(results: dict[str, tuple[list[Row], dict[str, Any]]], repeats: int,
 DOC_ABOUT = """\
 ## How to read it
 
-Every row runs `model(**batch).loss.backward()` under `torch.compile` (Inductor, CPU). Budgets:
+Every row runs `model(**batch).loss.backward()` under `torch.compile` (Inductor, on the device the page names). Budgets:
 80 % of the measured peak of `torch.compile(model)` (a budget a few segments meet), the measured
 peak of HF `gradient_checkpointing_enable()` (non-reentrant) then `torch.compile`, and half the
 measured peak of `torch.compile(model)`. `compile(optimize)` is
@@ -265,8 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved timing repeats (default 5; quick 3)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true",
+                        help="every layer's peak as the only budget, one activation_memory_budget fraction")
     parser.add_argument("--warm-cache", action="store_true",
                         help="reuse Inductor's on-disk cache (default: a fresh one, so compile times are a first compile's)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -276,13 +300,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     isolated_profile_cache()
     if not args.warm_cache:  # read by Inductor at each compile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 64
     started = time.perf_counter()
-    results = {name: run_model(name, args.batch, args.seq_len, args.repeats) for name in args.models}
-    text = markdown(results, args.repeats, time.perf_counter() - started, args.warm_cache)
-    publish_table(text, args.out, "compile.md", {"name": "compile", "title": "Plans that compile",
-                                                   "about": DOC_ABOUT} if args.docs else None)
+    results = {name: run_model(name, args.batch, args.seq_len, repeats, device, args.quick) for name in args.models}
+    text = markdown(results, repeats, time.perf_counter() - started, args.warm_cache, device)
+    stem = "compile" if device.type == "cpu" else "compile_cuda"
+    title = "Plans that compile" + ("" if device.type == "cpu" else ", on a GPU")
+    publish_table(text, args.out, f"{stem}.md", {"name": stem, "title": title,
+                                                  "about": DOC_ABOUT} if args.docs else None)
     return 0
 
 

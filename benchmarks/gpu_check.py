@@ -17,9 +17,10 @@ installed), then runs, each as a subprocess with its own timeout:
    pinned host memory (:mod:`rewrite.offload`); then plans made on the GPU at every-layer's
    peak, recompute only and with offload, applied and measured against their predictions (page
    ``docs/benchmarks/offload_cuda.md``, written after each model);
-5. ``target_accuracy``: ``benchmarks/target_accuracy.py`` on two models. It compares fake-tensor
-   profiles for ``--target h100`` with the H100 profiles saved in ``tests/data/h100/``, not
-   with this GPU's own measurements;
+5. ``compile``: ``benchmarks/compile.py --device cuda --quick`` on the 4-layer GPT-2: compiled
+   with nothing recomputed, HF every layer then compiled, ``activation_memory_budget`` 0.5, and
+   ``optimize(..., compile=True)`` at every layer's measured peak: peaks, graph breaks, step
+   times, the same loss (page ``docs/benchmarks/compile_cuda.md``);
 6. ``corpus``: ``benchmarks/corpus.py --device cuda --quick`` on a few families (page
    ``docs/benchmarks/corpus_cuda.md``), skipped with its reason where the script is absent;
 7. ``pages``: stamps each ``docs/benchmarks/*_cuda.md`` page the steps wrote with the date, the
@@ -69,11 +70,11 @@ CAPTURED_MODELS = ("gpt2_gpu", "llama_gpu")
 CAPTURED_REPEATS = 9
 #: budget for the captured graph with nothing recomputed: more than any of its models' steps hold
 ROOMY_BUDGET_GB = 1000.0
-TARGET_MODELS = ("gpt2_gpu", "llama_gpu")
+COMPILE_MODELS = ("gpt2",)
 #: Llama first: its profile takes a third of GPT-2's, so a cut time box still has one planned model
 OFFLOAD_MODELS = ("llama", "gpt2")
 OFFLOAD_REPEATS = 3
-CORPUS_FAMILIES = ("gpt2", "llama", "bert", "t5", "vit")
+CORPUS_FAMILIES = ("gpt2", "llama", "bert", "vit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def plan_steps(out: Path, python: str = "python3") -> list[Step]:
              "fails, then only the missing pure-Python dependencies (never torch)"),
         Step("cuda_tests", 70, "every test marked cuda",
              (python, "-m", "pytest", "-m", "cuda", "-q", "--continue-on-collection-errors", "tests")),
-        Step("quality", 125, "quality on a GPU, the user's exact computation and rows labelled "
+        Step("quality", 100, "quality on a GPU, the user's exact computation and rows labelled "
              "'planner, masks simplified', page quality_check_cuda.md",
              (python, "benchmarks/quality.py", "--device", "cuda", "--models", *QUALITY_MODELS,
               "--repeats", str(QUALITY_REPEATS), "--simplify-attention-masks", "--name", "quality_check_cuda",
@@ -119,10 +120,11 @@ def plan_steps(out: Path, python: str = "python3") -> list[Step]:
              "on GPT-2 and Llama: measured peak, step time, gradients, page offload_cuda.md",
              (python, "benchmarks/offload_gpu.py", "--device", "cuda", "--models", *OFFLOAD_MODELS,
               "--repeats", str(OFFLOAD_REPEATS), "--docs")),
-        Step("target_accuracy", 45, "--target h100 fake profiles against the saved H100 profiles "
-             "(tests/data/h100), not this GPU's measurements",
-             (python, "benchmarks/target_accuracy.py", "--models", *TARGET_MODELS)),
-        Step("corpus", 70, "a few corpus families on the GPU, quick, page corpus_cuda.md",
+        Step("compile", 90, "optimize(compile=True) at every layer's peak against the compiled anchors on "
+             "GPT-2, quick, page compile_cuda.md",
+             (python, "benchmarks/compile.py", "--device", "cuda", "--models", *COMPILE_MODELS, "--quick",
+              "--out", results, "--docs")),
+        Step("corpus", 50, "a few corpus families on the GPU, quick, page corpus_cuda.md",
              (python, "benchmarks/corpus.py", "--device", "cuda", "--families", *CORPUS_FAMILIES, "--quick",
               "--out", results, "--docs"),
              skip_reason=None if corpus.exists() else "benchmarks/corpus.py is not in this tree"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-STEPS = ["setup", "cuda_tests", "quality", "captured_vs_eager", "offload", "target_accuracy", "corpus", "pages"]
+STEPS = ["setup", "cuda_tests", "quality", "captured_vs_eager", "offload", "compile", "corpus", "pages"]
 BOX = re.compile(r"^\[box\s+(\d+) s\] (\w+): ")
 
 
