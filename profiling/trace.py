@@ -45,87 +45,12 @@ from profiling.capture_guards import no_node_stack_traces, partial_graph_kept_of
 from profiling.custom_functions import custom_functions_as_ops
 from profiling.eager_attention import match_eager_attention
 from profiling.eager_grouped_mm import match_eager_grouped_mm
+from profiling.inplace_activations import functionalize_inplace_activations
 from profiling.measure import StepInputs
 
 __all__ = ["trace_module", "prepare_saved_program", "functionalize_inplace_activations", "TRACE_METHODS"]
 
 log = logging.getLogger(__name__)
-
-
-def _fresh_output(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an aten op whose (single) output is new memory, not a view or input."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is None and not target._schema.is_mutable
-
-
-def _makes_view(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may return an alias of an input (unknown targets count as views)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return node.op != "output"
-    return any(r.alias_info is not None for r in target._schema.returns)
-
-
-def functionalize_inplace_activations(gm: torch.fx.GraphModule) -> int:
-    """Replace in-place ops on activations (``x += residual``, ``relu_``) by their out-of-place
-    form when nothing else sees the mutation: ``x`` is fresh memory made by an earlier op, no
-    view of it exists, and every later reader of ``x`` is pointed at the new value.
-
-    An in-place write makes the ops before it unsafe to recompute (they would read the new
-    values); the out-of-place form computes the same values, bit for bit, at the cost of one
-    more tensor while both are live. Writes to parameters, buffers and inputs are kept.
-    Returns how many ops were replaced; ``gm`` is changed in place and recompiled.
-
-    Example:
-        >>> class Residual(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         y = torch.tanh(x)
-        ...         y += x
-        ...         return torch.relu(y)
-        >>> gm = torch.export.export(Residual(), (torch.randn(2, 3),), strict=False).module()
-        >>> functionalize_inplace_activations(gm)
-        1
-        >>> [n.target for n in gm.graph.nodes if n.op == "call_function"][-2:]
-        [<OpOverload(op='aten.add', overload='Tensor')>, <OpOverload(op='aten.relu', overload='default')>]
-    """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    count = 0
-    for node in list(gm.graph.nodes):
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
-            continue
-        schema = target._schema
-        name = target.__name__  # e.g. "add_.Tensor"
-        packet, _, overload = name.partition(".")
-        if not (schema.is_mutable and packet.endswith("_") and not packet.startswith("_")):
-            continue
-        written = node.args[0]
-        if not isinstance(written, torch.fx.Node) or not _fresh_output(written):
-            continue
-        functional_packet = getattr(torch.ops.aten, packet[:-1], None)
-        functional = getattr(functional_packet, overload or "default", None) if functional_packet else None
-        if functional is None or functional._schema.is_mutable:
-            continue
-        others = [u for u in written.users if u is not node]
-        if any(_makes_view(u) for u in others):
-            continue  # a view of the written tensor would see the write
-        with gm.graph.inserting_before(node):
-            replacement = gm.graph.call_function(functional, node.args, node.kwargs)
-        replacement.meta = dict(node.meta)
-        node.replace_all_uses_with(replacement)
-        for user in others:
-            if order[user] > order[node]:
-                user.replace_input_with(written, replacement)
-        order[replacement] = order[node]
-        gm.graph.erase_node(node)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
 
 
 def _frames(exc: BaseException) -> list[tuple[str, int, str, Any]]:

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
 from profiling.batch_norm_updates import RUN_ONCE_OPS, merge_batch_norm_updates
+from profiling.inplace_activations import restore_inplace_activations
 from rewrite.operator_calls import call_operators_directly
 
 __all__ = ["apply_plan", "CheckpointedSegment", "checkpointed_call", "PRISTINE_GRAPH", "copy_graph", "fresh_copy", "module_copy"]
@@ -137,7 +138,9 @@ def apply_plan(gm: torch.fx.GraphModule, plan: Plan) -> torch.fx.GraphModule:
     """
     gm.meta[PRISTINE_GRAPH] = copy_graph(gm.graph)
     graph = gm.graph
-    merge_batch_norm_updates(gm, frozenset(name for s in plan.segments for name in s.node_names))
+    recomputed = frozenset(name for s in plan.segments for name in s.node_names)
+    merge_batch_norm_updates(gm, recomputed)
+    restore_inplace_activations(gm, recomputed)
     by_name = {n.name: n for n in graph.nodes}
     for k, segment in enumerate(plan.segments):
         missing = [name for name in segment.node_names if name not in by_name]

@@ -9,6 +9,7 @@ gradient accumulation, torch.compile, state_dict and deepcopy. Gradients are com
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import logging
@@ -244,6 +245,31 @@ def test_in_place_ops_views_and_aliasing_survive_recompute():
     opt = recompute_everything(model, inputs)
     assert len(recomputed(opt)) >= 10
     assert_same_step(model, opt, inputs, seed=0)
+
+
+def _inplace_targets(gm: torch.fx.GraphModule) -> list[str]:
+    return sorted(str(n.target) for n in gm.graph.nodes
+                  if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                  and n.target._schema.is_mutable)
+
+
+def test_in_place_ops_outside_recomputed_segments_run_in_place_again():
+    torch.manual_seed(0)
+    model, inputs = AliasNet().train(), (torch.randn(64, 32),)
+    captured = collections.Counter(_inplace_targets(trace_module(model, inputs)))  # through a view: kept
+    roomy = optimize(model, inputs, budget_gb=1.0, **FAST)
+    assert not roomy.plan.segments
+    # the writes whose tensor nothing else reads are the model's own in-place ops again;
+    # ``g.mul_`` stays out of place: ``g + 1.0`` read ``g`` before it
+    restored = collections.Counter(_inplace_targets(roomy.graph_module)) - captured
+    assert sorted(restored.elements()) == ["aten.add_.Tensor", "aten.mul_.Tensor", "aten.relu_.default"]
+    assert_same_step(model, roomy, inputs, seed=0)
+    # recomputed, every write stays out of place, in the segments and around them
+    gm = recompute_everything(model, inputs).graph_module
+    segments = [getattr(gm, n.target).graph_module for n in gm.graph.nodes
+                if n.op == "get_attr" and n.target.startswith("checkpoint_segment_")]
+    written = collections.Counter(t for m in (gm, *segments) for t in _inplace_targets(m))
+    assert segments and not written - captured
 
 
 def _tiny_gpt2(batch: int, seq_len: int):
