@@ -439,7 +439,8 @@ class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
         if "transformers.trainer" in sys.modules:
             self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
-        output = (variant.runner or self._runner(variant))(*args, **kwargs)
+        runner = variant.runner  # a compiled module has no truth value: compared with None
+        output = (self._runner(variant) if runner is None else runner)(*args, **kwargs)
         if not variant.output_held:
             self._held_output_check.watch(output)
         return output
