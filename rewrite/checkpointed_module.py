@@ -464,6 +464,7 @@ class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
                 object.__setattr__(new, name, copy.deepcopy(value, memo))
         for variant in (*new._variants.values(), *new._unit_variants.values()):
             attach_to_user_modules(variant.graph_module, new.original)
+            variant.runner = None  # made again from the copied graph on the first call
         if not new._variants and new.graph_module is not None:
             attach_to_user_modules(new.graph_module, new.original)
         return new
