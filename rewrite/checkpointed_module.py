@@ -63,6 +63,9 @@ class PlannedVariant:
 
     #: what runs it in training (:meth:`CheckpointedModule._runner`), made on its first call
     runner: Any = field(default=None, repr=False, compare=False)
+    #: what a training call calls: the graph's own ``forward`` (a module call around it costs
+    #: about 40 µs right after a backward: docs/tuning.md#watch_every_calls), or the compiled runner
+    call: Any = field(default=None, repr=False, compare=False)
     #: the step it was planned for keeps the output through the backward; with a profile it is
     #: the profile's, without one the options' it was planned with (set by the module)
     output_held: bool = False
@@ -439,8 +442,11 @@ class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
         if "transformers.trainer" in sys.modules:
             self._check_the_caller()
         variant = self._variant(StepInputs(args, kwargs))
-        runner = variant.runner  # a compiled module has no truth value: compared with None
-        output = (self._runner(variant) if runner is None else runner)(*args, **kwargs)
+        call = variant.call  # a compiled module has no truth value: compared with None
+        if call is None:
+            runner = self._runner(variant)
+            call = variant.call = runner.forward if isinstance(runner, torch.fx.GraphModule) else runner
+        output = call(*args, **kwargs)
         if not variant.output_held:
             self._held_output_check.watch(output)
         return output
@@ -464,7 +470,7 @@ class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
                 object.__setattr__(new, name, copy.deepcopy(value, memo))
         for variant in (*new._variants.values(), *new._unit_variants.values()):
             attach_to_user_modules(variant.graph_module, new.original)
-            variant.runner = None  # made again from the copied graph on the first call
+            variant.runner = variant.call = None  # made again from the copied graph on the first call
         if not new._variants and new.graph_module is not None:
             attach_to_user_modules(new.graph_module, new.original)
         return new
