@@ -44,7 +44,7 @@ import torch
 import torch.fx
 
 __all__ = ["attention_nodes", "named_arguments", "traced_shape", "drop_constant_masks", "share_constant_masks_over_batch",
-           "simplify_constant_attention_masks"]
+           "drop_added_visible_masks", "simplify_constant_attention_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,83 @@ def share_constant_masks_over_batch(gm: torch.fx.GraphModule,
         node.args = (named.pop("query"), named.pop("key"), named.pop("value"))
         node.kwargs = named
         changed.add(node)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
+def _added_to_a_visible_constant(gm: torch.fx.GraphModule, mask: torch.fx.Node,
+                                 order: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """``x`` where ``mask`` is ``x + c`` (either order) and ``c`` a constant computed from shapes
+    alone (no input, parameter or buffer) that lets every query see every key (all True, or all
+    0.0); ``None`` otherwise."""
+    if mask.op != "call_function" or mask.target is not torch.ops.aten.add.Tensor or len(mask.args) != 2 or \
+            mask.kwargs:
+        return None
+    for x, c in (mask.args, mask.args[::-1]):
+        if not (isinstance(x, torch.fx.Node) and isinstance(c, torch.fx.Node)):
+            continue
+        ancestry = _ancestors(c, order)
+        if ancestry is None or any(n.op == "get_attr" for n in ancestry):
+            continue
+        value = _constant_value(gm, ancestry)
+        allowed = None if value is None else _allowed(value)
+        if allowed is not None and bool(allowed.all()):
+            return x
+    return None
+
+
+def drop_added_visible_masks(gm: torch.fx.GraphModule,
+                             eager_mask_shape: Callable[[torch.fx.Node], tuple[int, ...] | None]) -> set[torch.fx.Node]:
+    """Pass ``x`` where an attention call's mask is ``x + c``, ``c`` a constant all-visible mask
+    and ``x`` of the shape the eager call's mask had (``eager_mask_shape(node)``) while the sum
+    is larger (broadcast over ``c``'s batch): the eager model passed ``x`` alone. Returns the
+    calls changed (``gm`` recompiled when any did).
+
+    Under ``torch.export`` HuggingFace builds an all-visible mask where eager builds none, and a
+    model that adds its own bias to the mask (BEiT's relative position bias) then adds that
+    mask to the bias: ``True`` counts as 1.0, every score moves by 1 and rounds otherwise.
+
+    Example:
+        >>> class Biased(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.bias = torch.nn.Parameter(torch.randn(1, 2, 4, 4))
+        ...     def forward(self, q):
+        ...         mask = self.bias
+        ...         if torch.compiler.is_exporting():   # as HuggingFace does while traced
+        ...             mask = mask + torch.ones(q.shape[0], 1, 4, 4, dtype=torch.bool)
+        ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        >>> q = torch.randn(3, 2, 4, 8)
+        >>> gm = torch.export.export(Biased(), (q,), strict=False).module()
+        >>> len(drop_added_visible_masks(gm, lambda node: (1, 2, 4, 4)))
+        1
+        >>> torch.equal(gm(q), torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=gm.bias))
+        True
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed: set[torch.fx.Node] = set()
+    unread: list[torch.fx.Node] = []
+    for node in attention_nodes(gm):
+        named = named_arguments(node)
+        mask = named.get("attn_mask")
+        eager_shape = eager_mask_shape(node)
+        if not isinstance(mask, torch.fx.Node) or not eager_shape or traced_shape(mask) == eager_shape:
+            continue
+        x = _added_to_a_visible_constant(gm, mask, order)
+        if x is None or traced_shape(x) != eager_shape:
+            continue
+        named["attn_mask"] = x
+        node.args = (named.pop("query"), named.pop("key"), named.pop("value"))
+        node.kwargs = named
+        changed.add(node)
+        unread.append(mask)
+    while unread:  # the sums, and the constants only they read
+        n = unread.pop()
+        if n.op == "call_function" and not n.users and not n.is_impure() and n.graph is gm.graph:
+            unread.extend(n.all_input_nodes)
+            gm.graph.erase_node(n)
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -38,8 +38,8 @@ import torch
 import torch.fx
 from torch.overrides import TorchFunctionMode
 
-from profiling.attention_masks import (SDPA_ARGUMENTS, attention_nodes, drop_constant_masks, named_arguments,
-                                       share_constant_masks_over_batch, traced_shape)
+from profiling.attention_masks import (SDPA_ARGUMENTS, attention_nodes, drop_added_visible_masks, drop_constant_masks,
+                                       named_arguments, share_constant_masks_over_batch, traced_shape)
 from profiling.measure import StepInputs, preserved_state
 
 __all__ = ["EagerAttentionCall", "eager_attention_calls", "match_eager_attention", "run_eager_forward"]
@@ -62,6 +62,8 @@ class EagerAttentionCall:
     key_shape: tuple[int, ...]
     #: the mask is one sample's expanded over a batch of several (stride 0 in dimension 0)
     mask_shared_over_batch: bool = False
+    #: the mask's shape (empty without one)
+    mask_shape: tuple[int, ...] = ()
 
 
 class _EnoughCalls(Exception):
@@ -85,7 +87,8 @@ class _AttentionRecorder(TorchFunctionMode):
                 enable_gqa=bool(named.get("enable_gqa")),
                 key_shape=tuple(key.shape) if isinstance(key, torch.Tensor) else (),
                 mask_shared_over_batch=isinstance(mask, torch.Tensor) and mask.dim() >= 1 and mask.shape[0] > 1
-                and mask.stride(0) == 0))
+                and mask.stride(0) == 0,
+                mask_shape=tuple(mask.shape) if isinstance(mask, torch.Tensor) else ()))
             if self.stop_after is not None and len(self.calls) >= self.stop_after:
                 raise _EnoughCalls
         return func(*args, **kwargs)
@@ -104,7 +107,7 @@ def eager_attention_calls(model: torch.nn.Module, example_inputs: Any,
         ...     def forward(self, q):
         ...         return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         >>> eager_attention_calls(Attention(), (torch.randn(1, 1, 3, 4),))
-        [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4), mask_shared_over_batch=False)]
+        [EagerAttentionCall(has_mask=False, is_causal=True, enable_gqa=False, key_shape=(1, 1, 3, 4), mask_shared_over_batch=False, mask_shape=())]
     """
     recorder = _AttentionRecorder(stop_after)
     if not run_eager_forward(model, example_inputs, recorder, "eager attention calls"):
@@ -203,7 +206,9 @@ def match_eager_attention(gm: torch.fx.GraphModule, model: torch.nn.Module, exam
     """Rewrite ``gm``'s attention calls into the calls the eager ``model`` makes on
     ``example_inputs``: a constant causal or all-visible mask dropped where eager passes none,
     repeated key/value heads replaced by ``enable_gqa=True`` where eager uses it, a constant mask
-    repeated per sample held once where eager expands one sample's mask over the batch. Returns how
+    repeated per sample held once where eager expands one sample's mask over the batch, a constant
+    all-visible mask the traced graph adds to the model's own mask dropped where eager passes
+    that mask alone (:func:`profiling.attention_masks.drop_added_visible_masks`). Returns how
     many calls changed. The eager forward runs only when ``gm`` has attention, and only up to
     the call that pairs with the graph's last; when eager makes fewer calls than the graph,
     nothing changes.
@@ -223,6 +228,7 @@ def match_eager_attention(gm: torch.fx.GraphModule, model: torch.nn.Module, exam
     changed |= drop_constant_masks(
         gm, lambda node, causal: not eager[node].has_mask and eager[node].is_causal == causal)
     changed |= share_constant_masks_over_batch(gm, lambda node: eager[node].mask_shared_over_batch)
+    changed |= drop_added_visible_masks(gm, lambda node: eager[node].mask_shape)
     if changed:
         gm.graph.lint()
         gm.recompile()

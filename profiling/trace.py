@@ -46,6 +46,7 @@ from profiling.custom_functions import custom_functions_as_ops
 from profiling.eager_attention import match_eager_attention
 from profiling.eager_grouped_mm import match_eager_grouped_mm
 from profiling.inplace_activations import functionalize_inplace_activations
+from profiling.slice_fills import group_slice_fills
 from profiling.measure import StepInputs
 
 __all__ = ["trace_module", "prepare_saved_program", "functionalize_inplace_activations", "TRACE_METHODS"]
@@ -137,8 +138,9 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
             (run once) and a pure, recomputable normalisation (see
             :func:`split_batch_norm_updates`).
         functionalize: make in-place ops on activations out-of-place where nothing else sees
-            the write (see :func:`functionalize_inplace_activations`), so the ops before them
-            stay recomputable.
+            the write (see :func:`functionalize_inplace_activations`), and make each fresh
+            tensor filled slice by slice one node (see :func:`group_slice_fills`), so the ops
+            before them stay recomputable.
         simplify_attention_masks: drop every constant causal or all-visible attention mask
             (``is_causal`` instead), whatever the eager model passes: a faster kernel that changes
             rounding and the attention-dropout stream (opt-in; recorded in
@@ -192,6 +194,7 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     _share_parameters(model, gm)
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
     functional = functionalize_inplace_activations(gm) if functionalize and method == "export" else 0
+    fills = group_slice_fills(gm) if functionalize and method == "export" else 0
     masks, changes = 0, ()
     if method == "export" and simplify_attention_masks:
         masks = simplify_constant_attention_masks(gm)
@@ -205,9 +208,10 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         _drop_export_call_hooks(gm)
         match_eager_grouped_mm(gm, model, example_inputs)
     gm.meta["computation_changes"] = changes
-    log.info("captured %s with %s: %d nodes%s%s%s", name, method, len(gm.graph.nodes),
+    log.info("captured %s with %s: %d nodes%s%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
              f", {functional} in-place ops on activations made out-of-place" if functional else "",
+             f", {fills} tensors filled slice by slice made one node each" if fills else "",
              f", {masks} attention calls {'simplified' if simplify_attention_masks else 'made as the eager model makes them'}"
              if masks else "")
     return gm

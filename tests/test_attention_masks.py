@@ -163,3 +163,24 @@ def test_a_mask_that_differs_between_samples_is_not_shared():
 
     gm = torch.export.export(PerSample(), (torch.randn(3, 2, 4, 8),), strict=False).module()
     assert share_constant_masks_over_batch(gm, lambda node: True) == set()
+
+
+def test_a_bias_mask_is_passed_alone_as_eager_passes_it_and_trains_bit_for_bit():
+    """BEiT adds its relative position bias to the attention mask; traced, HuggingFace builds an
+    all-visible boolean mask where eager builds none, and the bias plus ``True`` moves every
+    score by 1.0: the graph passes the bias alone, as eager does."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    config = BeitConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, use_relative_position_bias=True, attention_probs_dropout_prob=0.1,
+                        num_labels=4, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = BeitForImageClassification(config).train()
+    generator = torch.Generator().manual_seed(1)
+    example = {"pixel_values": torch.randn(3, 3, 16, 16, generator=generator),
+               "labels": torch.randint(0, 4, (3,), generator=generator)}
+    gm = trace_module(model, example)
+    for call in _attention_calls(gm):
+        mask = _mask_of(call)
+        assert mask.target is not torch.ops.aten.add.Tensor and tuple(mask.meta["val"].shape)[0] == 1
+    _assert_trains_bit_for_bit(model, gm, example)
