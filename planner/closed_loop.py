@@ -8,7 +8,9 @@ chosen plan and one training step measured at the allocator (``torch.profiler`` 
 (:func:`planner.measured_fit.check_on_device` gives it one; this module imports no torch). Then:
 
 - measured above the budget's room: the gap is held as extra bytes all step and the graph is
-  solved again, up to :data:`MAX_MEASURED_RESOLVES` times;
+  solved again, up to :data:`MAX_MEASURED_RESOLVES` times; where that still measures above the
+  room (or nothing is predicted to fit with the gap held), the plan of the smallest predicted
+  peak is measured and taken if it fits;
 - cheaper plans the prediction refused only by the margin (``alternatives``: hand-placed plans
   within :data:`planner.measured_fit.MEASURED_FIT_TOLERANCE` of the room) are measured, cheapest
   first, and the first whose step fits replaces the plan;
@@ -62,6 +64,10 @@ class DeviceStep(Protocol):
         ``extra_room_bytes`` more room; raises :class:`InfeasibleBudgetError` where nothing fits."""
         ...
 
+    def smallest(self) -> Plan:
+        """The plan of the smallest predicted peak on the same graph."""
+        ...
+
 
 def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, device: DeviceStep,
                   unoptimized_measured_bytes: int | None, alternatives: Sequence[Plan] = ()) -> tuple[Any, Plan]:
@@ -78,18 +84,31 @@ def measured_plan(plan: Plan, room_bytes: int, margin_bytes: int, device: Device
 
     module, measured = check(plan)
     plan = dataclasses.replace(plan, measured_peak_bytes=measured)
+    tried = {plan.segments}
     held = 0
-    for attempt in range(MAX_MEASURED_RESOLVES):
-        if measured <= room_bytes:
-            break
-        held += max(measured - room_bytes, measured - plan.predicted_peak_bytes, 1)
-        log.warning("plan measured %.4f GiB, above the room of %.4f GiB (predicted %.4f GiB): solving again with "
-                    "%.1f MiB held (%d of %d)", measured / GIB, room_bytes / GIB, plan.predicted_peak_bytes / GIB,
-                    held / MIB, attempt + 1, MAX_MEASURED_RESOLVES)
-        plan = device.resolve(held, 0)
-        module, measured = check(plan)
-        plan = dataclasses.replace(plan, measured_peak_bytes=measured)
+    try:
+        for attempt in range(MAX_MEASURED_RESOLVES):
+            if measured <= room_bytes:
+                break
+            held += max(measured - room_bytes, measured - plan.predicted_peak_bytes, 1)
+            log.warning("plan measured %.4f GiB, above the room of %.4f GiB (predicted %.4f GiB): solving again "
+                        "with %.1f MiB held (%d of %d)", measured / GIB, room_bytes / GIB,
+                        plan.predicted_peak_bytes / GIB, held / MIB, attempt + 1, MAX_MEASURED_RESOLVES)
+            plan = device.resolve(held, 0)
+            tried.add(plan.segments)
+            module, measured = check(plan)
+            plan = dataclasses.replace(plan, measured_peak_bytes=measured)
+    except InfeasibleBudgetError:
+        log.info("no plan predicted to fit with the overshoot held")
     if measured > room_bytes:
+        # near the floor, the plan of the smallest predicted peak may fit where cheaper ones did not
+        smallest = device.smallest()
+        if smallest.segments not in tried:
+            module, smallest_measured = check(smallest)
+            log.info("the plan of the smallest predicted peak measured %.4f GiB", smallest_measured / GIB)
+            if smallest_measured <= room_bytes:
+                return module, dataclasses.replace(smallest, measured_peak_bytes=smallest_measured)
+            measured = min(measured, smallest_measured)
         raise InfeasibleBudgetError(plan.budget_bytes, plan.budget_bytes + measured - room_bytes,
                                     note=f"the plan's measured step peaked at {measured / GIB:.4f} GiB, "
                                          f"{(measured - room_bytes) / MIB:.1f} MiB above the room")

@@ -46,7 +46,7 @@ from planner.core.plan import GIB, Plan
 from planner.planning_steps import PlanningSteps
 from rewrite.segments import apply_plan
 
-__all__ = ["MEASURED_FIT_TOLERANCE", "fit_on_measurement", "check_on_device"]
+__all__ = ["MEASURED_FIT_TOLERANCE", "fit_on_measurement", "measured_floor", "check_on_device"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,50 @@ def fit_on_measurement(steps: PlanningSteps, gm: Any, graph: CostGraph,
     return None
 
 
+def measured_floor(steps: PlanningSteps, gm: Any, graph: CostGraph,
+                   refusal: InfeasibleBudgetError) -> InfeasibleBudgetError:
+    """``refusal`` with a floor that plans: the plan solved at the smallest budget ``refusal``
+    names is measured (one training step), and where its step peaks above the room that budget
+    leaves (the prediction ran low), the budget its measured peak needs is named instead. Itself
+    where that plan fits, for a sharded plan or a step with gradients already held (nothing is
+    measured there).
+
+    Example:
+        >>> import torch
+        >>> from planner.capture_options import CaptureOptions
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        ...                               for _ in range(6)]).train()
+        >>> steps = PlanningSteps(model, (torch.randn(256, 64),), budget_gb=1e-6,
+        ...                       capture_options=CaptureOptions(timing_repeats=1))
+        >>> gm = steps.capture()
+        >>> graph = steps.profile(gm)
+        >>> try:
+        ...     steps.plan(graph)
+        ... except InfeasibleBudgetError as exc:
+        ...     refusal, named = exc, measured_floor(steps, gm, graph, exc)
+        >>> named.min_feasible_bytes >= refusal.min_feasible_bytes
+        True
+    """
+    options = steps.plan_options
+    if steps.grads_held or options.world_size > 1 or refusal.min_feasible_bytes <= refusal.budget_bytes:
+        return refusal
+    try:
+        plan = steps.plan(graph, refusal.min_feasible_bytes / GIB)
+    except InfeasibleBudgetError:
+        return refusal
+    _, measured_bytes = steps.measure(gm, plan)
+    room_bytes = refusal.min_feasible_bytes - options.reserve_bytes
+    if measured_bytes <= room_bytes:
+        return refusal
+    log.info("the plan at the smallest feasible budget predicted %.4f GiB measured %.4f GiB, above its room of "
+             "%.4f GiB: naming the budget it needs", plan.predicted_peak_bytes / GIB, measured_bytes / GIB,
+             room_bytes / GIB)
+    note = (f"the plan at the predicted floor measured {measured_bytes / GIB:.4f} GiB"
+            + (f"; {refusal.note}" if refusal.note else ""))
+    return InfeasibleBudgetError(refusal.budget_bytes, measured_bytes + options.reserve_bytes, note,
+                                 refusal.unoptimized_peak_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Device:
     """The closed loop's device (:class:`planner.closed_loop.DeviceStep`): ``gm`` rewritten and
@@ -115,6 +159,13 @@ class _Device:
         margin = self.steps.plan_options.safety_margin
         budget_gb = self.steps.budget_gb + extra_room_bytes / (1 - margin) / GIB
         solved = self.steps.plan(with_held_bytes(self.graph, held_bytes), budget_gb)
+        return dataclasses.replace(solved, budget_bytes=self.budget_bytes)
+
+    def smallest(self) -> Plan:
+        try:
+            solved = self.steps.plan(self.graph, 1 / GIB)  # below any plan: the refusal names the floor
+        except InfeasibleBudgetError as refusal:
+            solved = self.steps.plan(self.graph, refusal.min_feasible_bytes / GIB)
         return dataclasses.replace(solved, budget_bytes=self.budget_bytes)
 
 

@@ -31,7 +31,7 @@ from planner.core.options import MAX_PLAUSIBLE_BUDGET_GB, PlanOptions, check_bud
 from planner.core.plan import GIB, Plan
 from planner.graph_break_plan import plan_graph_breaks
 from planner.loss_chunking import choose_loss_chunks, is_chunked, with_chunked_floor
-from planner.measured_fit import check_on_device, fit_on_measurement
+from planner.measured_fit import check_on_device, fit_on_measurement, measured_floor
 from planner.module_plan import plan_modules
 from planner.planning_steps import PlanningSteps, log_plan, plan_if_the_step_fits, planning_room_bytes
 from planner.rank_zero import planned_on_rank_zero, shared_from_rank_zero
@@ -310,8 +310,8 @@ class Replanner:
                 gm, plan, graph = choose_loss_chunks(steps, gm, graph)
             except InfeasibleBudgetError as refusal:
                 fitted = fit_on_measurement(steps, gm, graph, refusal)  # just under the floor: measured
-                if fitted is None:
-                    raise with_chunked_floor(steps, gm, refusal) from None
+                if fitted is None:  # the floor named is one a measured plan meets
+                    raise with_chunked_floor(steps, gm, measured_floor(steps, gm, graph, refusal)) from None
                 module, plan = fitted
                 log_plan(plan, measured=True)
                 return module, plan, graph

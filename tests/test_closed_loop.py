@@ -20,10 +20,11 @@ def _plan(name: str, predicted_bytes: int, recompute_ms: float) -> Plan:
 
 class StandIn:
     """The device of the loop: each plan measures what ``measured`` says; a solve again returns
-    ``resolved``, or refuses where there is none."""
+    ``resolved``, or refuses where there is none; the smallest-peak plan is ``smallest_plan``
+    (``resolved`` where None)."""
 
-    def __init__(self, measured: dict[str, int], resolved: Plan | None) -> None:
-        self.measured, self.resolved = measured, resolved
+    def __init__(self, measured: dict[str, int], resolved: Plan | None, smallest_plan: Plan | None = None) -> None:
+        self.measured, self.resolved, self.smallest_plan = measured, resolved, smallest_plan
         self.calls: list[str] = []
 
     def measure(self, candidate: Plan):
@@ -35,9 +36,15 @@ class StandIn:
             raise InfeasibleBudgetError(ROOM, ROOM + held_bytes)
         return self.resolved
 
+    def smallest(self) -> Plan:
+        chosen = self.smallest_plan or self.resolved
+        assert chosen is not None
+        return chosen
 
-def _loop(plan: Plan, measured: dict[str, int], alternatives=(), resolved: Plan | None = None):
-    device = StandIn(measured, resolved)
+
+def _loop(plan: Plan, measured: dict[str, int], alternatives=(), resolved: Plan | None = None,
+          smallest: Plan | None = None):
+    device = StandIn(measured, resolved, smallest)
     module, chosen = measured_plan(plan, ROOM, margin_bytes=ROOM // 100, device=device,
                                    unoptimized_measured_bytes=2 * ROOM, alternatives=alternatives)
     return module, chosen, device.calls
@@ -76,3 +83,16 @@ def test_a_plan_that_never_measures_within_the_room_is_refused() -> None:
     searched = _plan("search", 985_000, 5.0)
     with pytest.raises(InfeasibleBudgetError):
         _loop(searched, {"search": 1_050_000}, resolved=searched)
+
+
+def test_where_nothing_fits_with_the_overshoot_held_the_smallest_peak_plan_is_measured_and_taken() -> None:
+    """Near the floor a cheaper plan can measure above the room while the plan of the smallest
+    predicted peak fits: a budget the planner named as its floor then plans."""
+    searched = _plan("search", 990_000, 5.0)
+    floor = _plan("floor", 960_000, 9.0)
+    module, chosen, calls = _loop(searched, {"search": 1_004_000, "floor": 997_000}, resolved=None, smallest=floor)
+    assert chosen.solver == "floor" and chosen.measured_peak_bytes == 997_000 and module == "module of floor"
+    assert calls == ["search", "floor"]
+    with pytest.raises(InfeasibleBudgetError) as refused:  # the floor measures over too: refused, by the lower
+        _loop(searched, {"search": 1_004_000, "floor": 1_002_000}, resolved=None, smallest=floor)
+    assert refused.value.min_feasible_bytes == ROOM + 2_000

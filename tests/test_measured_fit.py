@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,3 +58,29 @@ def test_a_budget_no_candidate_meets_on_measurement_is_still_refused():
     with pytest.raises(InfeasibleBudgetError) as refusal:
         optimize(model, example, budget_gb=budget_bytes / GIB)
     assert refusal.value.min_feasible_bytes > budget_bytes
+
+
+def test_a_refusal_names_the_budget_the_floor_plans_measured_step_needs():
+    """Far below the floor, the refusal names the smallest budget: where the plan solved there
+    measures above the room it leaves, the budget that measurement needs is named instead."""
+    from planner.capture_options import CaptureOptions
+    from planner.measured_fit import measured_floor
+    from planner.planning_steps import PlanningSteps
+
+    model, example = residual_mlp(batch=64)
+    steps = PlanningSteps(model, example, budget_gb=1e-6, capture_options=CaptureOptions(timing_repeats=1))
+    gm = steps.capture()
+    graph = steps.profile(gm)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        steps.plan(graph)
+    refusal = raised.value
+    room = refusal.min_feasible_bytes - steps.plan_options.reserve_bytes
+
+    def measuring(peak_bytes: int) -> SimpleNamespace:  # the steps, with the plan's step measuring peak_bytes
+        return SimpleNamespace(plan_options=steps.plan_options, grads_held=False, plan=steps.plan,
+                               measure=lambda gm, plan: (None, peak_bytes))
+
+    named = measured_floor(measuring(room + MIB), gm, graph, refusal)  # 1 MiB above the room
+    assert named.min_feasible_bytes == refusal.min_feasible_bytes + MIB
+    assert "measured" in named.note
+    assert measured_floor(measuring(room), gm, graph, refusal) is refusal  # fits: the refusal stands
