@@ -50,16 +50,8 @@ for _path in (ROOT, ROOT / "examples", ROOT / "benchmarks"):
 __all__ = ["FAMILIES", "GROUPS", "SKIPPED", "Family", "hf_every_layer", "checkpoint_modules"]
 
 GROUPS = ("causal-lm", "encoder", "seq2seq", "vision", "pattern")
-SEED = 0
-BATCH = 4
-SEQ = 64
-WIDTH = 64
-LAYERS = 2
-HEADS = 4
-VOCAB = 1024
-IMAGE = 32
-#: attention dropout, where the family has it
-ATTN_DROP = 0.1
+from corpus_hf_specs import (ATTN_DROP, BATCH, HAND_LAYERS, HEADS, HF_SPECS, IMAGE, LAYERS, LLAMA_LIKE,  # noqa: E402,F401
+                             MORE_HF_SPECS, SEED, SEQ, VOCAB, WIDTH, lm_inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,184 +162,6 @@ def _hf(model_class: str, config_class: str, config: dict[str, Any], inputs: Cal
     return build
 
 
-def _lm_inputs(generator: torch.Generator, vocab: int = VOCAB, low: int = 0) -> dict[str, Any]:
-    ids = torch.randint(low, vocab, (BATCH, SEQ), generator=generator)
-    return {"input_ids": ids, "labels": ids}
-
-
-def _seq2seq_inputs(generator: torch.Generator, vocab: int = VOCAB) -> dict[str, Any]:
-    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=generator)
-    labels = torch.randint(3, vocab, (BATCH, SEQ), generator=generator)
-    return {"input_ids": ids, "labels": labels}
-
-
-def _image_inputs(generator: torch.Generator, batch: int = BATCH, size: int = IMAGE) -> dict[str, Any]:
-    return {"pixel_values": torch.randn(batch, 3, size, size, generator=generator),
-            "labels": torch.randint(0, 10, (batch,), generator=generator)}
-
-
-#: what every decoder config shares: no cache, token ids inside the vocabulary
-_DECODER = {"use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "vocab_size": VOCAB}
-#: Llama-style configs (hidden_size, intermediate_size, num_hidden_layers, heads, attention_dropout)
-_LLAMA_LIKE = {**_DECODER, "hidden_size": WIDTH, "intermediate_size": 2 * WIDTH, "num_hidden_layers": LAYERS,
-               "num_attention_heads": HEADS, "num_key_value_heads": HEADS // 2, "max_position_embeddings": 128,
-               "attention_dropout": ATTN_DROP}
-#: BERT-style encoder configs
-_BERT_LIKE = {"vocab_size": VOCAB, "hidden_size": WIDTH, "intermediate_size": 2 * WIDTH, "num_hidden_layers": LAYERS,
-              "num_attention_heads": HEADS, "max_position_embeddings": 128, "pad_token_id": 0,
-              "attention_probs_dropout_prob": ATTN_DROP}
-#: BART-style seq2seq configs
-_BART_LIKE = {"vocab_size": VOCAB, "d_model": WIDTH, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
-              "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * WIDTH,
-              "decoder_ffn_dim": 2 * WIDTH, "max_position_embeddings": 128, "attention_dropout": ATTN_DROP,
-              "dropout": 0.1, "use_cache": False, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-              "decoder_start_token_id": 2}
-
-#: (name, group, model class, config class, config, inputs, about)
-_HF_SPECS: list[tuple[str, str, str, str, dict[str, Any], Callable[[torch.Generator], dict[str, Any]], str]] = [
-    # causal language models
-    ("gpt2", "causal-lm", "GPT2LMHeadModel", "GPT2Config",
-     {**_DECODER, "n_layer": LAYERS, "n_embd": WIDTH, "n_head": HEADS, "n_positions": 128, "attn_pdrop": ATTN_DROP},
-     _lm_inputs, "learned positions, Conv1D projections, tied head"),
-    ("gpt_neo", "causal-lm", "GPTNeoForCausalLM", "GPTNeoConfig",
-     {**_DECODER, "num_layers": LAYERS, "hidden_size": WIDTH, "num_heads": HEADS, "max_position_embeddings": 128,
-      "attention_types": [[["global", "local"], LAYERS // 2]], "window_size": 16, "attention_dropout": ATTN_DROP},
-     _lm_inputs, "global and local (windowed) attention layers"),
-    ("gpt_neox", "causal-lm", "GPTNeoXForCausalLM", "GPTNeoXConfig",
-     {**_DECODER, "num_hidden_layers": LAYERS, "hidden_size": WIDTH, "num_attention_heads": HEADS,
-      "intermediate_size": 2 * WIDTH, "max_position_embeddings": 128, "attention_dropout": ATTN_DROP,
-      "hidden_dropout": 0.1, "use_parallel_residual": True},
-     _lm_inputs, "parallel residual, partial rotary"),
-    ("gptj", "causal-lm", "GPTJForCausalLM", "GPTJConfig",
-     {**_DECODER, "n_layer": LAYERS, "n_embd": WIDTH, "n_head": HEADS, "n_positions": 128, "rotary_dim": 8,
-      "attn_pdrop": ATTN_DROP},
-     _lm_inputs, "parallel attention and MLP, interleaved rotary"),
-    ("codegen", "causal-lm", "CodeGenForCausalLM", "CodeGenConfig",
-     {**_DECODER, "n_layer": LAYERS, "n_embd": WIDTH, "n_head": HEADS, "n_positions": 128, "n_ctx": 128,
-      "rotary_dim": 8, "attn_pdrop": ATTN_DROP},
-     _lm_inputs, "fused qkv in model-parallel layout, rotary"),
-    ("opt", "causal-lm", "OPTForCausalLM", "OPTConfig",
-     {**_DECODER, "num_hidden_layers": LAYERS, "hidden_size": WIDTH, "num_attention_heads": HEADS,
-      "ffn_dim": 2 * WIDTH, "word_embed_proj_dim": WIDTH, "max_position_embeddings": 128, "dropout": 0.1,
-      "attention_dropout": ATTN_DROP, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2},
-     functools.partial(_lm_inputs, low=3), "learned offset positions, ReLU MLP"),
-    ("bloom", "causal-lm", "BloomForCausalLM", "BloomConfig",
-     {**_DECODER, "n_layer": LAYERS, "hidden_size": WIDTH, "n_head": HEADS, "attention_dropout": ATTN_DROP,
-      "hidden_dropout": 0.1},
-     _lm_inputs, "ALiBi, embedding LayerNorm"),
-    ("falcon", "causal-lm", "FalconForCausalLM", "FalconConfig",
-     {**_DECODER, "num_hidden_layers": LAYERS, "hidden_size": WIDTH, "num_attention_heads": HEADS,
-      "num_kv_heads": 1, "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
-      "bias": False, "attention_dropout": ATTN_DROP, "hidden_dropout": 0.1, "max_position_embeddings": 128},
-     _lm_inputs, "multi-query attention, parallel attention and MLP"),
-    ("gpt_bigcode", "causal-lm", "GPTBigCodeForCausalLM", "GPTBigCodeConfig",
-     {**_DECODER, "n_layer": LAYERS, "n_embd": WIDTH, "n_head": HEADS, "n_positions": 128, "multi_query": True,
-      "attn_pdrop": ATTN_DROP},
-     _lm_inputs, "multi-query attention, learned positions"),
-    ("llama", "causal-lm", "LlamaForCausalLM", "LlamaConfig", _LLAMA_LIKE, _lm_inputs,
-     "RMSNorm, rotary, SwiGLU, grouped-query attention"),
-    ("mistral", "causal-lm", "MistralForCausalLM", "MistralConfig", {**_LLAMA_LIKE, "sliding_window": 16},
-     _lm_inputs, "sliding-window attention"),
-    ("mixtral", "causal-lm", "MixtralForCausalLM", "MixtralConfig",
-     {**_LLAMA_LIKE, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
-      "router_aux_loss_coef": 0.01, "output_router_logits": True},
-     _lm_inputs, "sparse mixture of experts (4 experts, top 2), router loss"),
-    ("qwen2", "causal-lm", "Qwen2ForCausalLM", "Qwen2Config", _LLAMA_LIKE, _lm_inputs,
-     "qkv bias, grouped-query attention"),
-    ("qwen3", "causal-lm", "Qwen3ForCausalLM", "Qwen3Config", {**_LLAMA_LIKE, "head_dim": WIDTH // HEADS},
-     _lm_inputs, "query and key RMSNorm"),
-    ("qwen2_moe", "causal-lm", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-     {**_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": WIDTH,
-      "shared_expert_intermediate_size": 2 * WIDTH, "decoder_sparse_step": 1, "output_router_logits": True},
-     _lm_inputs, "mixture of experts with a shared expert"),
-    ("qwen3_moe", "causal-lm", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-     {**_LLAMA_LIKE, "head_dim": WIDTH // HEADS, "num_experts": 4, "num_experts_per_tok": 2,
-      "moe_intermediate_size": WIDTH, "decoder_sparse_step": 1},
-     _lm_inputs, "mixture of experts, query and key RMSNorm"),
-    ("gemma", "causal-lm", "GemmaForCausalLM", "GemmaConfig", {**_LLAMA_LIKE, "head_dim": WIDTH // HEADS},
-     _lm_inputs, "GeGLU, scaled embeddings, (1 + w) RMSNorm"),
-    ("gemma2", "causal-lm", "Gemma2ForCausalLM", "Gemma2Config",
-     {**_LLAMA_LIKE, "head_dim": WIDTH // HEADS, "sliding_window": 16},
-     _lm_inputs, "logit soft-capping, sandwich norms, alternating sliding window"),
-    ("gemma3", "causal-lm", "Gemma3ForCausalLM", "Gemma3TextConfig",
-     {**_LLAMA_LIKE, "head_dim": WIDTH // HEADS, "sliding_window": 16},
-     _lm_inputs, "query and key norms, local and global rotary"),
-    ("phi", "causal-lm", "PhiForCausalLM", "PhiConfig",
-     {**_LLAMA_LIKE, "num_key_value_heads": HEADS, "partial_rotary_factor": 0.5, "resid_pdrop": 0.1},
-     _lm_inputs, "parallel attention and MLP, partial rotary, dense head with bias"),
-    ("phi3", "causal-lm", "Phi3ForCausalLM", "Phi3Config", {**_LLAMA_LIKE, "pad_token_id": 0}, _lm_inputs,
-     "fused qkv and gate-up projections"),
-    ("stablelm", "causal-lm", "StableLmForCausalLM", "StableLmConfig",
-     {**_LLAMA_LIKE, "partial_rotary_factor": 0.25}, _lm_inputs, "LayerNorm, partial rotary"),
-    ("olmo", "causal-lm", "OlmoForCausalLM", "OlmoConfig", {**_LLAMA_LIKE, "pad_token_id": 1}, _lm_inputs,
-     "non-parametric LayerNorm"),
-    ("olmo2", "causal-lm", "Olmo2ForCausalLM", "Olmo2Config", {**_LLAMA_LIKE, "pad_token_id": 1}, _lm_inputs,
-     "post-norm RMSNorm, query and key norms"),
-    ("granite", "causal-lm", "GraniteForCausalLM", "GraniteConfig",
-     {**_LLAMA_LIKE, "residual_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 4.0},
-     _lm_inputs, "scaled residuals, embeddings and logits"),
-    # encoders (masked language models)
-    ("bert", "encoder", "BertForMaskedLM", "BertConfig", _BERT_LIKE, functools.partial(_lm_inputs, low=1),
-     "post-norm encoder, absolute positions, MLM head"),
-    ("roberta", "encoder", "RobertaForMaskedLM", "RobertaConfig", {**_BERT_LIKE, "pad_token_id": 1},
-     functools.partial(_lm_inputs, low=2), "positions offset past the padding index"),
-    ("deberta_v2", "encoder", "DebertaV2ForMaskedLM", "DebertaV2Config",
-     {**_BERT_LIKE, "relative_attention": True, "position_buckets": 32, "max_relative_positions": 64,
-      "pos_att_type": ["p2c", "c2p"], "position_biased_input": False},
-     functools.partial(_lm_inputs, low=1), "disentangled relative attention"),
-    ("electra", "encoder", "ElectraForMaskedLM", "ElectraConfig", {**_BERT_LIKE, "embedding_size": 32},
-     functools.partial(_lm_inputs, low=1), "generator: embeddings narrower than the layers"),
-    ("distilbert", "encoder", "DistilBertForMaskedLM", "DistilBertConfig",
-     {"vocab_size": VOCAB, "dim": WIDTH, "hidden_dim": 2 * WIDTH, "n_layers": LAYERS, "n_heads": HEADS,
-      "max_position_embeddings": 128, "attention_dropout": ATTN_DROP, "pad_token_id": 0},
-     functools.partial(_lm_inputs, low=1), "no token types, tied MLM head"),
-    ("albert", "encoder", "AlbertForMaskedLM", "AlbertConfig",
-     {**_BERT_LIKE, "embedding_size": 32, "num_hidden_groups": 1, "inner_group_num": 1},
-     functools.partial(_lm_inputs, low=1), "one layer's weights shared by every layer"),
-    # sequence to sequence
-    ("t5", "seq2seq", "T5ForConditionalGeneration", "T5Config",
-     {"vocab_size": VOCAB, "d_model": WIDTH, "d_kv": WIDTH // HEADS, "d_ff": 2 * WIDTH, "num_layers": LAYERS,
-      "num_decoder_layers": LAYERS, "num_heads": HEADS, "dropout_rate": 0.1, "use_cache": False,
-      "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1},
-     _seq2seq_inputs, "relative position buckets, RMSNorm, no biases"),
-    ("bart", "seq2seq", "BartForConditionalGeneration", "BartConfig", _BART_LIKE, _seq2seq_inputs,
-     "post-norm encoder-decoder, learned positions"),
-    ("marian", "seq2seq", "MarianMTModel", "MarianConfig",
-     {**_BART_LIKE, "pad_token_id": 1, "decoder_start_token_id": 1, "decoder_vocab_size": VOCAB},
-     _seq2seq_inputs, "sinusoidal positions, scaled embeddings"),
-    ("whisper", "seq2seq", "WhisperForConditionalGeneration", "WhisperConfig",
-     {"vocab_size": VOCAB, "num_mel_bins": 16, "d_model": WIDTH, "encoder_layers": LAYERS, "decoder_layers": LAYERS,
-      "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "encoder_ffn_dim": 2 * WIDTH,
-      "decoder_ffn_dim": 2 * WIDTH, "max_source_positions": 32, "max_target_positions": 64, "dropout": 0.1,
-      "attention_dropout": ATTN_DROP, "use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-      "decoder_start_token_id": 1},
-     lambda g: {"input_features": torch.randn(BATCH, 16, 64, generator=g),
-                "labels": torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)},
-     "convolutional audio stem, encoder-decoder"),
-    # vision
-    ("vit", "vision", "ViTForImageClassification", "ViTConfig",
-     {"image_size": IMAGE, "patch_size": 4, "num_channels": 3, "hidden_size": WIDTH, "num_hidden_layers": LAYERS,
-      "num_attention_heads": HEADS, "intermediate_size": 2 * WIDTH, "hidden_dropout_prob": 0.1,
-      "attention_probs_dropout_prob": ATTN_DROP, "num_labels": 10},
-     _image_inputs, "patch embedding, class token"),
-    ("swin", "vision", "SwinForImageClassification", "SwinConfig",
-     {"image_size": IMAGE, "patch_size": 2, "num_channels": 3, "embed_dim": 32, "depths": [2, 2],
-      "num_heads": [2, 4], "window_size": 4, "mlp_ratio": 2.0, "attention_probs_dropout_prob": ATTN_DROP,
-      "num_labels": 10},
-     _image_inputs, "shifted windows, patch merging"),
-    ("convnext", "vision", "ConvNextForImageClassification", "ConvNextConfig",
-     {"num_channels": 3, "patch_size": 2, "hidden_sizes": [32, 64], "depths": [2, 2], "num_stages": 2,
-      "drop_path_rate": 0.1, "layer_scale_init_value": 1.0, "num_labels": 10},
-     _image_inputs, "depthwise convolutions, LayerNorm, stochastic depth"),
-    ("resnet", "vision", "ResNetForImageClassification", "ResNetConfig",
-     {"embedding_size": 16, "hidden_sizes": [32, 64], "depths": [2, 2], "layer_type": "basic", "num_labels": 10},
-     functools.partial(_image_inputs, batch=8, size=64),
-     "BatchNorm, residual shortcuts (a stride-4 stem: 8 x 64 x 64 images)"),
-]
-
-#: families HuggingFace cannot checkpoint (``supports_gradient_checkpointing`` is False): the
-#: layer classes the hand-written every-layer wraps
-_HAND_LAYERS = {"convnext": ("ConvNextLayer",), "resnet": ("ResNetBasicLayer",), "albert": ("AlbertLayer",)}
 
 
 # --------------------------------------------------------------------------- hand-written patterns
@@ -408,7 +222,7 @@ def _criterion_outside_loss(output: Any) -> torch.Tensor:
 
 
 def _criterion_outside() -> tuple[nn.Module, dict[str, Any]]:
-    model, inputs = _hf("LlamaForCausalLM", "LlamaConfig", _LLAMA_LIKE, _lm_inputs)()
+    model, inputs = _hf("LlamaForCausalLM", "LlamaConfig", LLAMA_LIKE, lm_inputs)()
     return model, {"input_ids": inputs["input_ids"]}
 
 
@@ -562,12 +376,12 @@ def _registry() -> tuple[dict[str, Family], dict[str, str]]:
     available = set(dir(transformers))
     families: dict[str, Family] = {}
     skipped: dict[str, str] = {}
-    for name, group, model_class, config_class, config, inputs, about in _HF_SPECS:
+    for name, group, model_class, config_class, config, inputs, about in sorted([*HF_SPECS, *MORE_HF_SPECS], key=lambda spec: GROUPS.index(spec[1])):
         missing = [c for c in (model_class, config_class) if c not in available]
         if missing:
             skipped[name] = f"transformers {transformers.__version__} has no {' or '.join(missing)}"
             continue
-        hand = _HAND_LAYERS.get(name)
+        hand = HAND_LAYERS.get(name)
         every = _hand_every_layer(*hand) if hand else hf_every_layer
         families[name] = Family(name, group, f"{model_class}: {about}", _hf(model_class, config_class, config, inputs),
                                 every, anchor="hand" if hand else "hf")
