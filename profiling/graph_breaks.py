@@ -202,9 +202,25 @@ def _module_stack(model: torch.nn.Module, stack: list[str]) -> Iterator[None]:
             handle.remove()
 
 
+class _NoModuleTracking:
+    """Stands in for ``FlopCounterMode``'s module tracker, which counts every FLOP under the
+    global scope alone here: its hooks on each module call dispatch ``view`` ops of their own
+    where a module's input is a leaf that requires grad (wav2vec2's feature encoder), which the
+    plain forward the rewrite numbers its ops in does not dispatch."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> "_NoModuleTracking":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 def _record_step(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep) -> _Recorder:
     stack = [""]
     counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _NoModuleTracking()  # type: ignore[assignment]
     recorder = _Recorder(counter, stack)
     with preserved_state(model), _module_stack(model, stack), counter, \
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):

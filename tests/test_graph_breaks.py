@@ -302,3 +302,44 @@ def test_a_model_with_a_custom_function_plans_at_three_quarters_of_its_peak_bit_
     opt = plan_graph_breaks(model, (x,), 0.75 * peak_bytes / 2**30, timing_repeats=1)
     assert opt.plan.segments and measure_step_peak_bytes(opt, inputs) <= 0.75 * peak_bytes
     assert _same(reference, _step(opt, list(model.parameters()), x))
+
+
+class _LeafInput(torch.nn.Module):
+    """A first layer whose input is made a leaf that requires grad, as wav2vec2's feature
+    encoder does for checkpointing, then two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(torch.nn.Conv1d(c, 8, 3) for c in (1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x[:, None]
+        h.requires_grad = True
+        for conv in self.convs:
+            h = torch.relu(conv(h))
+        return h.sum()
+
+
+def test_the_profiled_op_stream_is_the_stream_a_plain_forward_dispatches():
+    """The rewrite checkpoints ranges by op numbers counted in the plain forward: the profile
+    must number the same ops (the FLOP counter's module hooks add none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from profiling.op_counting import UNCOUNTED_OPS
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) not in UNCOUNTED_OPS:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model, x = _LeafInput().train(), torch.randn(4, 64)
+    graph = profile_op_stream(model, (x,), timing_repeats=1)
+    plain = Dispatched()
+    with plain:
+        model(x)
+    assert graph.metadata["op_names"] == plain.ops
