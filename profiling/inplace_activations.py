@@ -38,10 +38,36 @@ def _makes_view(node: torch.fx.Node) -> bool:
     return any(r.alias_info is not None for r in target._schema.returns)
 
 
+def _view_chain(written: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """``written`` and the nodes it is a view of, up to the fresh tensor they all view, where each
+    has one reader (the next of the chain, ``written``'s being the in-place op): nobody else can
+    see a write through ``written``. ``[written]`` for a fresh tensor; None otherwise."""
+    chain = [written]
+    current = written
+    while not _fresh_output(current):
+        target = current.target
+        if not (_makes_view(current) and isinstance(target, torch._ops.OpOverload)) or not current.args:
+            return None
+        base = current.args[0]
+        if not isinstance(base, torch.fx.Node) or len(base.users) != 1:
+            return None
+        chain.append(base)
+        current = base
+    return chain
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.pointwise in target.tags
+
+
 def functionalize_inplace_activations(gm: torch.fx.GraphModule) -> int:
     """Replace in-place ops on activations (``x += residual``, ``relu_``) by their out-of-place
     form when nothing else sees the mutation: ``x`` is fresh memory made by an earlier op, no
-    view of it exists, and every later reader of ``x`` is pointed at the new value.
+    view of it exists, and every later reader of ``x`` is pointed at the new value; or ``x`` is a
+    view of fresh memory that nothing else reads (``attn[..., :k] *= mask``) and only pointwise
+    ops read the result.
 
     An in-place write makes the ops before it unsafe to recompute (they would read the new
     values); the out-of-place form computes the same values, bit for bit, at the cost of one
@@ -72,8 +98,14 @@ def functionalize_inplace_activations(gm: torch.fx.GraphModule) -> int:
         if not (schema.is_mutable and packet.endswith("_") and not packet.startswith("_")):
             continue
         written = node.args[0]
-        if not isinstance(written, torch.fx.Node) or not _fresh_output(written):
+        if not isinstance(written, torch.fx.Node):
             continue
+        if not _fresh_output(written):
+            # a view of a fresh tensor nobody else reads (``attn[:, :, k:] *= mask``): only pointwise
+            # readers of the result, which compute the same values whatever its strides
+            chain = _view_chain(written) if len(written.users) == 1 else None
+            if chain is None or not node.users or not all(_pointwise(u) for u in node.users):
+                continue
         functional_packet = getattr(torch.ops.aten, packet[:-1], None)
         functional = getattr(functional_packet, overload or "default", None) if functional_packet else None
         if functional is None or functional._schema.is_mutable:
@@ -123,7 +155,8 @@ def restore_inplace_activations(gm: torch.fx.GraphModule, in_segments: frozenset
         if inplace is None or node.op != "call_function" or node.name in in_segments:
             continue
         written = node.args[0]
-        if not isinstance(written, torch.fx.Node) or written.name in in_segments or len(written.users) != 1:
+        chain = _view_chain(written) if isinstance(written, torch.fx.Node) and len(written.users) == 1 else None
+        if chain is None or any(n.name in in_segments for n in chain):
             continue
         with gm.graph.inserting_before(node):
             replacement = gm.graph.call_function(inplace, node.args, node.kwargs)
