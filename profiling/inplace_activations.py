@@ -15,14 +15,22 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-__all__ = ["functionalize_inplace_activations", "restore_inplace_activations", "INPLACE_FORM"]
+__all__ = ["functionalize_inplace_activations", "restore_inplace_activations", "fresh_output", "INPLACE_FORM"]
 
 #: ``node.meta`` key of an op written out of place: the in-place ``OpOverload`` it replaced
 INPLACE_FORM = "planner_inplace_form"
 
 
-def _fresh_output(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an aten op whose (single) output is new memory, not a view or input."""
+def fresh_output(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose (single) output is new memory, not a view or input.
+
+    Example:
+        >>> g = torch.fx.Graph()
+        >>> x = g.placeholder("x")
+        >>> relu, view = torch.ops.aten.relu.default, torch.ops.aten.view.default
+        >>> fresh_output(g.call_function(relu, (x,))), fresh_output(g.call_function(view, (x, [-1])))
+        (True, False)
+    """
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
@@ -44,7 +52,7 @@ def _view_chain(written: torch.fx.Node) -> list[torch.fx.Node] | None:
     see a write through ``written``. ``[written]`` for a fresh tensor; None otherwise."""
     chain = [written]
     current = written
-    while not _fresh_output(current):
+    while not fresh_output(current):
         target = current.target
         if not (_makes_view(current) and isinstance(target, torch._ops.OpOverload)) or not current.args:
             return None
@@ -100,7 +108,7 @@ def functionalize_inplace_activations(gm: torch.fx.GraphModule) -> int:
         written = node.args[0]
         if not isinstance(written, torch.fx.Node):
             continue
-        if not _fresh_output(written):
+        if not fresh_output(written):
             # a view of a fresh tensor nobody else reads (``attn[:, :, k:] *= mask``): only pointwise
             # readers of the result, which compute the same values whatever its strides
             chain = _view_chain(written) if len(written.users) == 1 else None

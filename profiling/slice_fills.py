@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from profiling.inplace_activations import fresh_output
+
 __all__ = ["group_slice_fills", "filled_by_slices"]
 
 _SLICE = torch.ops.aten.slice.Tensor
@@ -57,15 +59,6 @@ def filled_by_slices(create: Any, create_args: tuple[Any, ...], create_kwargs: d
     for slice_args, source in zip(slices, sources):
         _COPY(_SLICE(out, *slice_args), source)
     return out
-
-
-def _fresh(node: torch.fx.Node) -> bool:
-    """An aten op returning one new tensor (``new_empty``, ``empty``, ``zeros``): no alias, no write."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return len(returns) == 1 and returns[0].alias_info is None and not target._schema.is_mutable
 
 
 def _fill_group(buffer: torch.fx.Node, order: dict[torch.fx.Node, int]
@@ -112,7 +105,7 @@ def group_slice_fills(gm: torch.fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     count = 0
     for buffer in list(gm.graph.nodes):
-        if not _fresh(buffer):
+        if not fresh_output(buffer):
             continue
         group = _fill_group(buffer, order)
         if group is None:
