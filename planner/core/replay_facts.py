@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # costgraph imports this module to cache the facts on the graph
     from planner.core.costgraph import CostGraph
 
-__all__ = ["ReplayFacts", "replay_facts"]
+__all__ = ["ReplayFacts", "replay_facts", "SLICING_VIEW_OPS"]
+
+#: Views that select part of their input: their backward writes the output gradient into a fresh
+#: zero-filled buffer of the input's size (``select_backward``, ``slice_backward``), where a view
+#: of the whole input (``view``, ``transpose``, ``unsqueeze``) passes a view of the gradient on.
+SLICING_VIEW_OPS = frozenset({"aten.select.int", "aten.slice.Tensor", "aten.narrow.default", "aten.diagonal.default",
+                              "aten.as_strided.default", "aten.unfold.default"})
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,8 @@ class ReplayFacts:
     gradient buffer (tied weights share one). ``differentiable``: the nodes whose outputs
     require grad. ``input_grads``: per node, the buffer and size of each differentiable
     input's gradient, each input once, and whether it is the node's output gradient itself
-    (``grad_shared_inputs``).
+    (``grad_shared_inputs``). ``slicing_views``: the positions of views whose backward makes their
+    input's gradient a buffer of its own (:data:`SLICING_VIEW_OPS`).
     """
 
     persistent: frozenset[int]
@@ -62,6 +69,7 @@ class ReplayFacts:
     grad_key: dict[str, object]
     differentiable: frozenset[str]
     input_grads: tuple[tuple[tuple[object, int, bool], ...], ...]
+    slicing_views: frozenset[int]
 
 
 def replay_facts(graph: CostGraph) -> ReplayFacts:
@@ -112,4 +120,5 @@ def replay_facts(graph: CostGraph) -> ReplayFacts:
         for n in nodes)
     return ReplayFacts(persistent, value_storages, last_use, returned,
                        {pos: r for r, pos in enumerate(compute_positions)}, made, first_made, lives_on, saved, forward_frees,
-                       grad_key, differentiable, input_grads)
+                       grad_key, differentiable, input_grads,
+                       frozenset(i for i, n in enumerate(nodes) if n.is_alias and n.op in SLICING_VIEW_OPS))

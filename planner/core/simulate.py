@@ -8,7 +8,8 @@ The replay follows the mechanics of eager autograd with non-reentrant
   backward, no checkpointed segment holds it as an input and the module does not return it.
   Inside a checkpointed segment, saves do not hold memory; the segment keeps its inputs.
 * backward, nodes in reverse: each node allocates the gradients of its differentiable inputs
-  (views pass the gradient through; the inputs of ``grad_shared_inputs`` hold the output's
+  (views of the whole input pass the gradient through, a ``select`` or ``slice`` fills a
+  buffer of its input's size; the inputs of ``grad_shared_inputs`` hold the output's
   gradient itself, one buffer for all, which a later gradient is summed into out of place while
   another still holds it), frees its output gradient and releases what it saved.
   Parameter gradients stay allocated. The first backward node of a segment that needs a
@@ -317,7 +318,7 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
                     mem.share(key, own)  # the output's gradient passed on: no new buffer
                     mem.hold(key)
                     grads_made = True
-                elif node.is_alias and not grads_made and own in mem.refs:
+                elif node.is_alias and not grads_made and own in mem.refs and i not in facts.slicing_views:
                     if own in mem.buffer_of:  # a view of a gradient another name holds too
                         mem.share(key, own)
                     else:  # a view of the output gradient
