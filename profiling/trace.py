@@ -43,6 +43,7 @@ from profiling.attention_masks import simplify_constant_attention_masks
 from profiling.batch_norm_updates import split_batch_norm_updates
 from profiling.capture_guards import no_node_stack_traces, partial_graph_kept_off_stderr, training_step_without_kv_cache
 from profiling.custom_functions import custom_functions_as_ops
+from profiling.constant_folding import fold_constant_index_tensors
 from profiling.eager_attention import match_eager_attention
 from profiling.eager_grouped_mm import match_eager_grouped_mm
 from profiling.inplace_activations import functionalize_inplace_activations
@@ -195,7 +196,7 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
     split = split_batch_norm_updates(gm) if recomputable_batch_norm and method == "export" else 0
     functional = functionalize_inplace_activations(gm) if functionalize and method == "export" else 0
     fills = group_slice_fills(gm) if functionalize and method == "export" else 0
-    masks, changes = 0, ()
+    masks, changes, folded = 0, (), 0
     if method == "export" and simplify_attention_masks:
         masks = simplify_constant_attention_masks(gm)
         if masks:
@@ -207,13 +208,15 @@ def trace_module(model: torch.nn.Module, example_inputs: Any, method: str = "exp
         _drop_metadata_asserts(gm)
         _drop_export_call_hooks(gm)
         match_eager_grouped_mm(gm, model, example_inputs)
+        folded = fold_constant_index_tensors(gm)
     gm.meta["computation_changes"] = changes
-    log.info("captured %s with %s: %d nodes%s%s%s%s", name, method, len(gm.graph.nodes),
+    log.info("captured %s with %s: %d nodes%s%s%s%s%s", name, method, len(gm.graph.nodes),
              f", {split} batch_norm running-stat updates split out" if split else "",
              f", {functional} in-place ops on activations made out-of-place" if functional else "",
              f", {fills} tensors filled slice by slice made one node each" if fills else "",
              f", {masks} attention calls {'simplified' if simplify_attention_masks else 'made as the eager model makes them'}"
-             if masks else "")
+             if masks else "",
+             f", {folded} constant index tensors computed once" if folded else "")
     return gm
 
 
