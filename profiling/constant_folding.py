@@ -15,9 +15,14 @@ step's numbers or memory by more than a few bytes:
 * a node is constant when it reads only literals, constants the graph module holds (not the
   model's parameters or buffers) and other constant nodes, and draws no random numbers;
 * only integer and boolean tensors of at most :data:`FOLDED_CONSTANT_MAX_BYTES` are kept as
-  constants (indices and masks; a float the step builds is left to the step);
+  constants (indices and masks; a float the step builds is left to the step), and only where
+  every op that reads them saves them for backward (an ``index``, ``gather``, ``embedding`` or
+  ``where``): eager holds such a tensor through the step's peak too, so holding it all step
+  moves no peak;
 * a group of constant nodes is folded only where all of it runs before anything else reads it,
-  no other node writes into it, and its run leaves the module's own constants as they were.
+  no other node writes into it, and its run leaves the module's own constants as they were;
+* a view the rest of the graph reads (an ``expand`` of a mask) stays a view of the folded tensor,
+  so a constant is stored at the size eager builds it.
 
 Example:
     >>> import torch
@@ -54,10 +59,21 @@ __all__ = ["fold_constant_index_tensors", "FOLDED_CONSTANT_MAX_BYTES"]
 
 log = logging.getLogger(__name__)
 
-#: The largest tensor kept as a folded constant. A folded tensor is held for the whole step where
-#: the step would hold it only while it is read; an index of this size changes no peak by more
-#: than rounding, where a whole causal mask at a long sequence could.
+#: The largest tensor kept as a folded constant. A folded tensor is held all step, where eager
+#: holds it from where the forward builds it to its reader's backward: a peak outside that span
+#: (early in the forward, late in the backward) moves by at most this much.
 FOLDED_CONSTANT_MAX_BYTES = 1 << 20
+
+#: Ops that save an index or mask argument for their backward (where their output needs a
+#: gradient), so eager holds it through the step's peak anyway: a folded tensor read only by these
+#: adds nothing to a step's peak.
+_SAVING_READERS = frozenset({
+    torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default, torch.ops.aten.gather.default,
+    torch.ops.aten.index_select.default, torch.ops.aten.index_put.default, torch.ops.aten.masked_fill.Scalar,
+    torch.ops.aten.masked_fill.Tensor, torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther,
+    torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.Scalar, torch.ops.aten.cross_entropy_loss.default,
+    torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_forward.default, torch.ops.aten.take_along_dim.default,
+})
 
 _INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -150,6 +166,35 @@ def _run(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> dict[torch.fx.
     return values
 
 
+def _views_left_in_place(group: list[torch.fx.Node], constant: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``group`` less the views that only nodes outside it read: they stay in the graph, reading
+    the tensor they view, which is folded instead. A folded view would be stored whole: an
+    expanded mask at its expanded size, which eager never holds. Removes them from ``constant``."""
+    kept = list(group)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(kept):
+            if (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view and node.users
+                    and all(user not in constant for user in node.users)):
+                kept.remove(node)
+                constant.discard(node)
+                changed = True
+    return kept
+
+
+def _read_only_by_saving_ops(node: torch.fx.Node, constant: set[torch.fx.Node]) -> bool:
+    """Every node outside the constants that reads ``node`` (through views) saves it for backward."""
+    readers = [user for user in node.users if user not in constant]
+    while readers:
+        reader = readers.pop()
+        if isinstance(reader.target, torch._ops.OpOverload) and reader.target.is_view:
+            readers.extend(reader.users)
+        elif reader.target not in _SAVING_READERS:
+            return False
+    return True
+
+
 def _foldable(group: list[torch.fx.Node], constant: set[torch.fx.Node], position: dict[torch.fx.Node, int]) -> bool:
     """The whole group runs before anything outside it reads it, and nothing outside writes into it."""
     outside_reads = [position[u] for n in group for u in n.users if u not in constant]
@@ -171,6 +216,7 @@ def fold_constant_index_tensors(gm: torch.fx.GraphModule) -> int:
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     folded = 0
     for group in _groups(constant):
+        group = _views_left_in_place(group, constant)
         if not _foldable(group, constant, position):
             continue
         read = [n for n in group if any(u not in constant for u in n.users)]
@@ -179,6 +225,8 @@ def fold_constant_index_tensors(gm: torch.fx.GraphModule) -> int:
         shapes = [n.meta.get("val") for n in read]
         if not all(isinstance(v, torch.Tensor) and v.dtype in _INTEGRAL
                    and v.numel() * v.element_size() <= FOLDED_CONSTANT_MAX_BYTES for v in shapes):
+            continue
+        if not all(_read_only_by_saving_ops(n, constant) for n in read):
             continue
         values = _run(gm, group)
         if values is None:

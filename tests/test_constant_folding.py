@@ -84,3 +84,20 @@ def test_nothing_is_folded_that_is_written_after_a_read_a_float_random_or_read_f
         expected = module(x)
         torch.manual_seed(0)
         assert torch.equal(gm(x), expected)
+
+
+class _ExpandedMask(torch.nn.Module):
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(8, 8, dtype=torch.bool).tril().expand(scores.shape[0], 8, 8)
+        return scores.masked_fill(mask, 0.0)
+
+
+def test_a_folded_mask_is_stored_at_the_size_it_is_built_and_expanded_as_before():
+    scores = torch.randn(4, 8, 8)
+    gm = torch.export.export(_ExpandedMask(), (scores,), strict=False).module()
+    assert fold_constant_index_tensors(gm) == 1
+    folded = [getattr(gm, str(n.target)) for n in gm.graph.nodes
+              if n.op == "get_attr" and str(n.target).startswith("_folded")]
+    assert [tuple(t.shape) for t in folded] == [(8, 8)]
+    assert "aten.expand.default" in _ops(gm) and "aten.tril.default" not in _ops(gm)
+    assert torch.equal(gm(scores), _ExpandedMask()(scores))
