@@ -56,6 +56,10 @@ FINEST_STAGES = 1024
 FINEST_MAX_SEGMENT_STAGES = 10
 #: Stage pairs the finest start's spans may cover on fewer stages (docs/tuning.md#finest_span_pairs).
 FINEST_SPAN_PAIRS = 10_240
+#: A model the chain DP finds too large goes to the ILP only on at most this many stages: on
+#: more (the finest start, one stage per op) the ILP finds no plan in its time
+#: (docs/tuning.md#ilp_fallback_max_stages).
+ILP_FALLBACK_MAX_STAGES = 512
 
 
 def _solve_chain(model: StageModel, budget_mib: float) -> IlpResult | None:
@@ -125,7 +129,8 @@ def tightened_plan(
     fits. None when the ILP becomes infeasible first. ``node_limit`` and ``node_limit_needs_plan``: of each
     solve (:func:`solve_ilp`). ``by_chain_dp``: solve the model by dynamic
     programming instead (:func:`_solve_chain`: its optimum, in a fraction of the time); one the
-    DP finds too large goes to the ILP (with its node and time limits). ``loosen``: a plan the
+    DP finds too large goes to the ILP (with its node and time limits) on at most
+    :data:`ILP_FALLBACK_MAX_STAGES` stages, and has no plan on more. ``loosen``: a plan the
     DP finds at once (or none) is then passed to :func:`loosened_plan`."""
     target_mib = budget_bytes / MIB
     chain = by_chain_dp
@@ -134,6 +139,10 @@ def tightened_plan(
             try:
                 result = _solve_chain(model, target_mib)
             except ChainSearchTooLarge as exc:
+                if len(model.stages) > ILP_FALLBACK_MAX_STAGES:
+                    log.info("%s on %d stages: %s; too many stages for the ILP: no plan from this start",
+                             CHAIN_DP, len(model.stages), exc)
+                    return None
                 log.info("%s on %d stages: %s; solving the ILP instead", CHAIN_DP, len(model.stages), exc)
                 chain = False
         if not chain:
