@@ -69,7 +69,7 @@ FOLDED_CONSTANT_MAX_BYTES = 1 << 20
 #: adds nothing to a step's peak.
 _SAVING_READERS = frozenset({
     torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default, torch.ops.aten.gather.default,
-    torch.ops.aten.index_select.default, torch.ops.aten.index_put.default, torch.ops.aten.masked_fill.Scalar,
+    torch.ops.aten.index_select.default, torch.ops.aten.masked_fill.Scalar,
     torch.ops.aten.masked_fill.Tensor, torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther,
     torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.Scalar, torch.ops.aten.cross_entropy_loss.default,
     torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_forward.default, torch.ops.aten.take_along_dim.default,
