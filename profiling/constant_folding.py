@@ -125,7 +125,7 @@ def _constant_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return constant
 
 
-def _groups(constant: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+def _groups(constant: set[torch.fx.Node], position: dict[torch.fx.Node, int]) -> list[list[torch.fx.Node]]:
     """Constant nodes joined by the edges between them, each group in graph order."""
     parent: dict[torch.fx.Node, torch.fx.Node] = {n: n for n in constant}
 
@@ -142,7 +142,6 @@ def _groups(constant: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in constant:
         groups.setdefault(find(node), []).append(node)
-    position = {n: i for i, n in enumerate(next(iter(constant)).graph.nodes)} if constant else {}
     return [sorted(g, key=position.__getitem__) for g in groups.values()]
 
 
@@ -215,16 +214,16 @@ def fold_constant_index_tensors(gm: torch.fx.GraphModule) -> int:
         return 0
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     folded = 0
-    for group in _groups(constant):
+    for group in _groups(constant, position):
         group = _views_left_in_place(group, constant)
         if not _foldable(group, constant, position):
             continue
         read = [n for n in group if any(u not in constant for u in n.users)]
         if any(n.op == "get_attr" for n in read):
             continue  # read as it is already: nothing to fold
-        shapes = [n.meta.get("val") for n in read]
+        traced = [n.meta.get("val") for n in read]
         if not all(isinstance(v, torch.Tensor) and v.dtype in _INTEGRAL
-                   and v.numel() * v.element_size() <= FOLDED_CONSTANT_MAX_BYTES for v in shapes):
+                   and v.numel() * v.element_size() <= FOLDED_CONSTANT_MAX_BYTES for v in traced):
             continue
         if not all(_read_only_by_saving_ops(n, constant) for n in read):
             continue
