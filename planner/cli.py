@@ -130,6 +130,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             "capture": plan.capture,
             "compile_graph_breaks": plan.compile_graph_breaks,
             "compile_s": plan.compile_s,
+            "compile_split_before_loss": plan.compile_split_before_loss,
             **({"subgraphs": plan.subgraphs} if plan.capture == "graph-breaks" else {}),
             "segments": [list(s.node_names) for s in plan.segments],
         }, indent=2))

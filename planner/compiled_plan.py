@@ -104,7 +104,8 @@ def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_lo
 def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
     if run is None:
         return plan
-    return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s)
+    return dataclasses.replace(plan, compile_graph_breaks=run.graph_breaks, compile_s=run.compile_s,
+                               compile_split_before_loss=run.split_before_loss)
 
 
 def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: list[PeakPair], room_bytes: int,

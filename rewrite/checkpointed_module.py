@@ -23,7 +23,7 @@ import torch.fx
 from planner.core.costgraph import CostGraph
 from planner.core.errors import PlannerError
 from planner.core.plan import Plan
-from profiling.measure import StepInputs
+from profiling.measure import StepInputs, TrainingStep
 from rewrite.attach import attach_to_user_modules, share_module_state
 from rewrite.held_output import HeldOutputCheck, WatchesHeldOutput
 from rewrite.operator_calls import call_operators_directly
@@ -295,12 +295,13 @@ class CheckpointedModule(SavesAsTheModel, WatchesHeldOutput, torch.nn.Module):
         return variant.runner
 
     def _new_runner(self, variant: PlannedVariant) -> Any:
-        backend = getattr(getattr(self.replan, "capture", None), "compile_backend", None)
+        capture = getattr(self.replan, "capture", None)
+        backend = getattr(capture, "compile_backend", None)
         if backend is None:
             return variant.graph_module
         from rewrite.compiled import compiled_runner
 
-        return compiled_runner(variant.graph_module, backend)
+        return compiled_runner(variant.graph_module, backend, getattr(capture, "step", None) or TrainingStep())
 
     def _variant(self, inputs: StepInputs, explicit: bool = False) -> PlannedVariant:
         """The planned variant for ``inputs``, planned now where none is. Under

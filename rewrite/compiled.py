@@ -51,6 +51,7 @@ from planner.core.options import COMPILE_BACKEND
 from profiling.interpreter import step_timer
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
 from planner.core.matmul_ops import segment_saved_ops
+from rewrite.loss_split import split_before_loss
 from rewrite.segments import CheckpointedSegment, _enter_kept_node, _leave_kept_node, checkpointed_call
 
 __all__ = [
@@ -233,11 +234,14 @@ def graph_break_count() -> int:
 @dataclass
 class CompiledStep:
     """A graph module compiled for training: the compiled module, the graph breaks counted while
-    compiling its first step, and that step's wall time in seconds (compile included)."""
+    compiling its first step (not the split before the loss), that step's wall time in seconds
+    (compile included), and whether the step compiled as two graphs, split before its loss
+    (:mod:`rewrite.loss_split`)."""
 
     module: torch.nn.Module
     graph_breaks: int
     compile_s: float
+    split_before_loss: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # a copy of the graph module compiles its own on first use
@@ -250,17 +254,23 @@ def compile_step(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingSte
                  backend: str = COMPILE_BACKEND, keep_outputs: bool = True) -> CompiledStep:
     """``gm`` (its segments made traceable, :func:`traceable_segments` with ``keep_outputs``) under
     ``torch.compile(backend=backend)``, compiled by one training step run on ``inputs`` (RNG,
-    buffers and ``.grad`` restored after), and kept in ``gm.meta`` for :func:`compiled_runner`."""
+    buffers and ``.grad`` restored after), and kept in ``gm.meta`` for :func:`compiled_runner`.
+    Where the graph computes the loss ``step`` takes, it compiles as two graphs, split before
+    the loss (:func:`rewrite.loss_split.split_before_loss`); that split is not counted among
+    the graph breaks."""
     check_compile_available()
     traceable_segments(gm, keep_outputs)
+    split = split_before_loss(gm, step)
     compiled = torch.compile(gm, backend=backend)
     breaks_before = graph_break_count()
     started = time.perf_counter()
     with preserved_state(gm):
         output = run_step(compiled, inputs, step)
         del output
-    run = CompiledStep(compiled, graph_break_count() - breaks_before, time.perf_counter() - started)
-    log.info("compiled the planned step (%s): %d graph breaks, %.1f s", backend, run.graph_breaks, run.compile_s)
+    breaks = graph_break_count() - breaks_before - (1 if split else 0)
+    run = CompiledStep(compiled, max(0, breaks), time.perf_counter() - started, split)
+    log.info("compiled the planned step (%s): %d graph breaks%s, %.1f s", backend, run.graph_breaks,
+             ", split before its loss" if split else "", run.compile_s)
     gm.meta[COMPILED_STEP] = run
     return run
 
@@ -273,13 +283,16 @@ def compiled_step_peak_bytes(gm: torch.fx.GraphModule, inputs: StepInputs, step:
     return run, measure_step_peak_bytes(run.module, inputs, step)
 
 
-def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND) -> torch.nn.Module:
+def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND,
+                    step: TrainingStep = TrainingStep()) -> torch.nn.Module:
     """What runs ``gm`` compiled: the module :func:`compile_step` made for it, else ``gm``
-    compiled now (its segments made traceable), kept in ``gm.meta``."""
+    compiled now for ``step`` (its segments made traceable, split before its loss), kept in
+    ``gm.meta``."""
     run = gm.meta.get(COMPILED_STEP)
     if run is None:
         traceable_segments(gm)
-        run = CompiledStep(torch.compile(gm, backend=backend), 0, 0.0)
+        split = split_before_loss(gm, step)
+        run = CompiledStep(torch.compile(gm, backend=backend), 0, 0.0, split)
         gm.meta[COMPILED_STEP] = run
     return run.module
 
@@ -291,7 +304,7 @@ def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs
     inherits its predecessor's freed memory and cold caches). The modules share the user's
     parameters and buffers: ``.grad``, buffers and RNG are restored after, as for one
     measurement."""
-    runners = [compiled_runner(m) for m in modules]
+    runners = [compiled_runner(m, step=step) for m in modules]
     timer = step_timer(device_of(modules[0], inputs))
     params = list(modules[0].parameters())
     times_ms: list[list[float]] = [[] for _ in runners]

@@ -155,6 +155,9 @@ class Plan:
     compile_graph_breaks: int | None = None
     #: seconds the first compiled step took (compiling included); None: the plan runs eagerly
     compile_s: float | None = None
+    #: the compiled step runs as two graphs, split before the loss it computes (not counted in
+    #: ``compile_graph_breaks``: docs/memory.md#compiled-steps)
+    compile_split_before_loss: bool = False
 
     @property
     def recompute_ms(self) -> float:
@@ -209,7 +212,8 @@ class Plan:
             ("solver", f"{self.solver}, {self.solve_s:.2f} s{self._solver_note()}"),
         ]
         if self.compile_graph_breaks is not None:
-            rows.append(("compiled", f"torch.compile, {_count(self.compile_graph_breaks, 'graph break')}, compiled in "
+            split = ", split before the loss into two graphs" if self.compile_split_before_loss else ""
+            rows.append(("compiled", f"torch.compile, {_count(self.compile_graph_breaks, 'graph break')}{split}, compiled in "
                                      f"{self.compile_s or 0.0:.1f} s; the measured peaks are the compiled step's" + (
                 f" (unoptimized {self.measured_unoptimized_peak_bytes / GIB:.4f} GiB)"
                 if self.measured_unoptimized_peak_bytes is not None else "")))
