@@ -35,7 +35,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,15 +88,82 @@ _ONE_LEAF = (int, float, bool, str, type(None), torch.dtype, torch.device, torch
 
 
 def _leaf_count(arg: Any) -> int:
-    """``len(tree_flatten(arg)[0])``, without pytree for a tensor or a scalar."""
+    """``len(tree_flatten(arg)[0])``, without pytree for a tensor, a scalar or a flat list of them."""
     if isinstance(arg, torch.Tensor) or type(arg) in _ONE_LEAF:
         return 1
+    if type(arg) in (list, tuple) and all(_is_leaf(item) for item in arg):
+        return len(arg)
     return len(tree_flatten(arg)[0])
 
 
 def _out_leaves(out: Any) -> list[Any]:
-    """``tree_flatten(out)[0]``, without pytree for a single tensor."""
-    return [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+    """``tree_flatten(out)[0]``, without pytree for a tensor or a flat tuple or list of them."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (tuple, list) and all(isinstance(leaf, torch.Tensor) for leaf in out):
+        return list(out)
+    return tree_flatten(out)[0]
+
+
+def _is_leaf(arg: Any) -> bool:
+    return isinstance(arg, torch.Tensor) or type(arg) in _ONE_LEAF
+
+
+class _FlatSpec(NamedTuple):
+    """How :func:`_flatten` laid out an op's arguments: per positional argument None (one leaf)
+    or its sequence type and length; then the keyword names, one leaf each."""
+
+    args: tuple[tuple[type, int] | None, ...]
+    keys: tuple[str, ...]
+
+
+# An op's arguments are flattened as it is recorded and rebuilt as it is replayed, once per op
+# in a range: pytree's generic walk costs tens of microseconds an op, as much as a small op's
+# kernel. Flat arguments (tensors, scalars, flat lists of them: nearly every ATen call) take
+# this path, in pytree's leaf order; anything else takes pytree's.
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``tree_flatten((args, kwargs))``: the same leaves in the same order, and a spec
+    :func:`_unflatten` takes.
+
+    Example:
+        >>> leaves, spec = _flatten((torch.ones(1), [2, 3]), {"alpha": 1.0})
+        >>> len(leaves), _unflatten(leaves, spec)[0][1], _unflatten(leaves, spec)[1]
+        (4, [2, 3], {'alpha': 1.0})
+    """
+    leaves: list[Any] = []
+    layout: list[tuple[type, int] | None] = []
+    for arg in args:
+        if _is_leaf(arg):
+            leaves.append(arg)
+            layout.append(None)
+        elif type(arg) in (list, tuple) and all(_is_leaf(item) for item in arg):
+            leaves.extend(arg)
+            layout.append((type(arg), len(arg)))
+        else:
+            return tree_flatten((args, kwargs))
+    for value in kwargs.values():
+        if not _is_leaf(value):
+            return tree_flatten((args, kwargs))
+        leaves.append(value)
+    return leaves, _FlatSpec(tuple(layout), tuple(kwargs))
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` back from :func:`_flatten`'s leaves and spec."""
+    if not isinstance(spec, _FlatSpec):
+        return tree_unflatten(leaves, spec)
+    args: list[Any] = []
+    i = 0
+    for entry in spec.args:
+        if entry is None:
+            args.append(leaves[i])
+            i += 1
+        else:
+            kind, n = entry
+            args.append(kind(leaves[i:i + n]))
+            i += n
+    return tuple(args), dict(zip(spec.keys, leaves[i:]))
 
 
 class _Handle:
@@ -164,7 +231,7 @@ class OpRegion:
         ``snapshots``: :meth:`snapshots` taken before it ran; ``flat``: ``tree_flatten((args,
         kwargs))`` where the caller has it)."""
         snapshots = snapshots or {}
-        leaves, spec = flat if flat is not None else tree_flatten((args, kwargs))
+        leaves, spec = flat if flat is not None else _flatten(args, kwargs)
         arg_of = [i for i, arg in enumerate(args) for _ in range(_leaf_count(arg))]
         arg_of += [-1] * (len(leaves) - len(arg_of))
         written_args = _written_positions(func, len(args))
@@ -287,7 +354,7 @@ class OpRegion:
                         leaves.append(tensor.clone() if position in written else tensor.detach())
                     else:
                         leaves.append(ref)
-                args, kwargs = tree_unflatten(leaves, spec)
+                args, kwargs = _unflatten(leaves, spec)
                 out = func(*args, **kwargs)
                 self.replayed_ops += 1
                 for j, leaf in enumerate(_out_leaves(out)):
@@ -363,7 +430,7 @@ class RegionRunner(TorchDispatchMode):
         region = self._open
         if region is None:
             return func(*args, **kwargs)
-        flat = tree_flatten((args, kwargs))
+        flat = _flatten(args, kwargs)
         versions = [leaf._version if isinstance(leaf, torch.Tensor) and not leaf.is_inference() else None
                     for leaf in flat[0]]
         snapshots = region.snapshots(func, args)
