@@ -30,8 +30,9 @@ from planner.core.simulate import simulate
 from planner.budget_plan import plan_for_budget
 from planner.solvers.hand_policies import hand_placed_plans
 from profiling.graph_breaks import profile_op_stream
-from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes
+from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes
 from rewrite.graph_breaks import BreakCheckpointedModule, input_signature, segment_regions
+from rewrite.region_overhead import measured_range_overhead_ms_per_op
 from planner.capture_options import CaptureOptions
 
 __all__ = ["plan_graph_breaks", "graph_break_plan", "MAX_TIGHTENINGS", "MEASURED_FIT_TOLERANCE",
@@ -94,8 +95,12 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
              step: Any) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
     """The measured plan for ``inputs``: its op ranges and the profile it was solved on."""
     graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step)
-    log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured",
-             graph.metadata["model_ops"], graph.metadata["subgraphs"], (graph.measured_peak_bytes or 0) / GIB)
+    # each op of a recomputed range is recorded and replayed in Python: a cost beyond its time
+    graph = dataclasses.replace(graph, range_overhead_ms_per_node=measured_range_overhead_ms_per_op(
+        device_of(model, inputs)))
+    log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured, %.4f ms per op "
+             "recorded in a checkpointed range", graph.metadata["model_ops"], graph.metadata["subgraphs"],
+             (graph.measured_peak_bytes or 0) / GIB, graph.range_overhead_ms_per_node)
     room_bytes = check_budget_gb(budget_gb) - options.reserve_bytes
     expected = graph.metadata.get("op_names")
 

@@ -157,6 +157,17 @@ def test_optimize_plans_an_uncapturable_model_through_its_breaks():
     assert _same(_step(loaded.original, list(loaded.parameters()), x), _step(loaded, list(loaded.parameters()), x))
 
 
+def test_a_graph_break_plan_prices_each_recorded_op_of_its_ranges():
+    """The op-stream profile carries the measured cost of recording and replaying an op in a
+    range, and every recomputed segment of the plan is priced with it for each of its nodes."""
+    model, (x,) = build("item_branch", width=32, tokens=256, layers=4)
+    peak_bytes = measure_step_peak_bytes(model, StepInputs.from_example((x,)))
+    opt = plan_graph_breaks(model, (x,), 0.75 * peak_bytes / 2**30, timing_repeats=1)
+    per_node_ms = opt.cost_graph.range_overhead_ms_per_node
+    assert per_node_ms > 0 and opt.plan.segments
+    assert all(s.recompute_ms >= per_node_ms * len(s.node_names) for s in opt.plan.segments)
+
+
 @pytest.mark.slow
 def test_other_shapes_are_planned_again_and_other_branches_stay_exact():
     model, (x,) = build("item_branch", width=32, tokens=512, layers=4)

@@ -83,7 +83,8 @@ def test_kept_nodes_and_skipped_nodes_are_not_recomputed():
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 14))
 def test_chain_costs_match_the_rule_on_every_run(seed, n):
-    g = dataclasses.replace(random_dag(seed, n), segment_overhead_ms=0.25 * (seed % 2))
+    g = dataclasses.replace(random_dag(seed, n), segment_overhead_ms=0.25 * (seed % 2),
+                            range_overhead_ms_per_node=0.01 * (seed % 3))
     names = [node.name for node in g.compute_nodes]
     costs = ChainCosts(g, names)
     for first in range(len(names)):
@@ -103,4 +104,18 @@ def test_a_segment_that_recomputes_pays_the_checkpoint_once():
         run = names[: last + 1]
         saves = any(g.node(name).saved_storages for name in run)
         assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + (0.5 if saves else 0.0))
+        assert rerun_cost(g, run)[1] == rerun_cost(plain, run)[1]
+
+
+def test_a_recorded_range_pays_for_each_of_its_nodes():
+    """``range_overhead_ms_per_node`` (the graph-break path's recording and replay) is added for
+    every node of a segment whose backward recomputes, the nodes after its last save included
+    (the forward records them too); a segment that saves nothing pays nothing."""
+    g = dataclasses.replace(random_dag(5, 8), range_overhead_ms_per_node=0.125)
+    plain = dataclasses.replace(g, range_overhead_ms_per_node=0.0)
+    names = [node.name for node in g.compute_nodes]
+    for last in range(len(names)):
+        run = names[: last + 1]
+        saves = any(g.node(name).saved_storages for name in run)
+        assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + (0.125 * len(run) if saves else 0.0))
         assert rerun_cost(g, run)[1] == rerun_cost(plain, run)[1]

@@ -160,6 +160,10 @@ class CostGraph:
     :mod:`profiling.selective_overhead`; 0 when unknown). ``segment_overhead_ms`` is the time
     each segment that recomputes anything adds beyond its nodes' (the checkpoint call, its
     hooks and the RNG state; measured by :mod:`profiling.segment_overhead`; 0 when unknown).
+    ``range_overhead_ms_per_node`` is the time each node of such a segment adds beyond its own
+    recompute where segments run as recorded op ranges (the graph-break path: recording the op
+    in the forward, dispatching its replay; measured by :mod:`rewrite.region_overhead`; 0 on a
+    captured graph, whose segments rerun their nodes as the forward does).
     """
 
     nodes: tuple[CostNode, ...]
@@ -170,6 +174,7 @@ class CostGraph:
     segment_overhead_bytes: int = 0
     selective_overhead_ms_per_node: float = 0.0
     segment_overhead_ms: float = 0.0
+    range_overhead_ms_per_node: float = 0.0
     measured_peak_bytes: int | None = None
     output_held: bool = True
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -139,7 +139,7 @@ def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] 
     """``(time_ms, flops)`` the recompute of the segment ``node_names`` spends: the nodes
     :func:`rerun_node_names` lists, the last saver only up to its last save (its time and FLOPs
     shares before that save), and, where anything is saved (so the backward recomputes),
-    ``graph.segment_overhead_ms``.
+    ``graph.segment_overhead_ms`` plus ``graph.range_overhead_ms_per_node`` for each node.
 
     Example:
         >>> from planner.core.costgraph import CostGraph, CostNode, Storage
@@ -150,7 +150,8 @@ def rerun_cost(graph: CostGraph, node_names: Sequence[str], kept: Iterable[str] 
     """
     kept_names = set(kept)
     last = _last_saver(graph, node_names)
-    time_ms, flops = (graph.segment_overhead_ms if last >= 0 else 0.0), 0
+    overhead_ms = graph.segment_overhead_ms + graph.range_overhead_ms_per_node * len(node_names)
+    time_ms, flops = (overhead_ms if last >= 0 else 0.0), 0
     for i, name in enumerate(node_names[: last + 1]):
         if name in kept_names:
             continue
@@ -193,6 +194,7 @@ class ChainCosts:
         self._time = [n.time_ms for n in nodes]
         self._flops = [n.flops for n in nodes]
         self._segment_ms = graph.segment_overhead_ms
+        self._node_ms = graph.range_overhead_ms_per_node
 
     def _last(self, first: int, last: int) -> int:
         saver = self._last_saver[last]
@@ -204,7 +206,7 @@ class ChainCosts:
         if end < 0:
             return 0.0
         return (self._time_prefix[end] - self._time_prefix[first] + self._time[end] * self._time_share[end]
-                + self._segment_ms)
+                + self._segment_ms + self._node_ms * (last - first + 1))
 
     def flops(self, first: int, last: int) -> int:
         """Recomputed FLOPs of the run of positions ``first..last`` (inclusive)."""
