@@ -191,10 +191,9 @@ def run_model(name: str, batch: int, seq_len: int, repeats: int, device: torch.d
             opt = optimize(model, example, budget_gb=budget_gb, compile=True)
             optimize_s = time.perf_counter() - started
             compiled_plan.module = opt
-            first_step(compiled_plan, opt, inputs)  # compiled while planning: no new graph here
-            split = opt.plan.compile_split_before_loss  # Dynamo counts the split again as it resumes the frame
-            compiled_plan.graph_breaks = (opt.plan.compile_graph_breaks or 0) + max(
-                0, (compiled_plan.graph_breaks or 0) - (1 if split else 0))
+            first_step(compiled_plan, opt, inputs)  # compiled while planning: no compile here
+            split = opt.plan.compile_split_before_loss
+            compiled_plan.graph_breaks = (opt.plan.compile_graph_breaks or 0) + (compiled_plan.graph_breaks or 0)
             compiled_plan.compile_s = optimize_s
             compiled_plan.peak_bytes = measure_step_peak_bytes(opt, inputs)
             compiled_plan.same_loss = bool(torch.equal(seeded_loss(opt, inputs), reference_loss))
@@ -278,10 +277,9 @@ measured peak of `torch.compile(model)`. `compile(optimize)` is
 step's measured peak; its compile time is the whole `optimize` call (profile, solves, and every plan
 compiled while checking). `compile budget f` is `torch._functorch.config.activation_memory_budget
 = f` at the fraction, of 0.7, 0.5, 0.3 and 0.1, whose measured peak comes closest to the budget.
-`optimize compile=True` splits a step whose graph computes its loss beside other outputs
-into two graphs before the loss (docs/memory.md#compiled-steps): the note says so, and that
-split is not counted among its graph breaks (HF's own loss function breaks GPT-2's
-`torch.compile(model)` there too).
+`optimize compile=True` compiles a step whose graph computes its loss beside other outputs as
+two graphs run in a row, split before the loss (docs/memory.md#compiled-steps; no Dynamo graph
+break), and the note says so; HF's own loss function breaks GPT-2's `torch.compile(model)` there.
 Step times are medians of per-repeat ratios to compiled none, the rows' steps interleaved in one
 process on a shared machine (single timings swing by 10 % or more). "same loss": the loss at one seed
 equals `torch.compile(model)`'s bit for bit.

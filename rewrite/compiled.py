@@ -51,7 +51,7 @@ from planner.core.options import COMPILE_BACKEND
 from profiling.interpreter import step_timer
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
 from planner.core.matmul_ops import segment_saved_ops
-from rewrite.loss_split import split_before_loss
+from rewrite.loss_split import LossSplitStep, loss_tail
 from rewrite.segments import CheckpointedSegment, _enter_kept_node, _leave_kept_node, checkpointed_call
 
 __all__ = [
@@ -234,9 +234,8 @@ def graph_break_count() -> int:
 @dataclass
 class CompiledStep:
     """A graph module compiled for training: the compiled module, the graph breaks counted while
-    compiling its first step (not the split before the loss), that step's wall time in seconds
-    (compile included), and whether the step compiled as two graphs, split before its loss
-    (:mod:`rewrite.loss_split`)."""
+    compiling its first step, that step's wall time in seconds (compile included), and whether
+    the step compiled as two graphs, split before its loss (:mod:`rewrite.loss_split`)."""
 
     module: torch.nn.Module
     graph_breaks: int
@@ -255,24 +254,32 @@ def compile_step(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingSte
     """``gm`` (its segments made traceable, :func:`traceable_segments` with ``keep_outputs``) under
     ``torch.compile(backend=backend)``, compiled by one training step run on ``inputs`` (RNG,
     buffers and ``.grad`` restored after), and kept in ``gm.meta`` for :func:`compiled_runner`.
-    Where the graph computes the loss ``step`` takes, it compiles as two graphs, split before
-    the loss (:func:`rewrite.loss_split.split_before_loss`); that split is not counted among
-    the graph breaks."""
+    Where the graph computes the loss ``step`` takes beside other outputs, it compiles as two
+    graphs run in a row, split before the loss (:class:`rewrite.loss_split.LossSplitStep`): no
+    graph break."""
     check_compile_available()
     traceable_segments(gm, keep_outputs)
-    split = split_before_loss(gm, step)
-    compiled = torch.compile(gm, backend=backend)
+    compiled, split = _compiled(gm, backend, step)
     breaks_before = graph_break_count()
     started = time.perf_counter()
     with preserved_state(gm):
         output = run_step(compiled, inputs, step)
         del output
-    breaks = graph_break_count() - breaks_before - (1 if split else 0)
-    run = CompiledStep(compiled, max(0, breaks), time.perf_counter() - started, split)
+    run = CompiledStep(compiled, graph_break_count() - breaks_before, time.perf_counter() - started, split)
     log.info("compiled the planned step (%s): %d graph breaks%s, %.1f s", backend, run.graph_breaks,
              ", split before its loss" if split else "", run.compile_s)
     gm.meta[COMPILED_STEP] = run
     return run
+
+
+def _compiled(gm: torch.fx.GraphModule, backend: str, step: TrainingStep) -> tuple[torch.nn.Module, bool]:
+    """``gm`` under ``torch.compile``: as two graphs, split before its loss, where
+    :func:`rewrite.loss_split.loss_tail` finds ops only the loss needs; and whether it split."""
+    tail = loss_tail(gm, step)
+    if not tail:
+        return torch.compile(gm, backend=backend), False
+    log.debug("compiled step split before its loss: %d ops in the loss's graph", len(tail))
+    return LossSplitStep(gm, tail).compiled(backend), True
 
 
 def compiled_step_peak_bytes(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,
@@ -291,8 +298,8 @@ def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND,
     run = gm.meta.get(COMPILED_STEP)
     if run is None:
         traceable_segments(gm)
-        split = split_before_loss(gm, step)
-        run = CompiledStep(torch.compile(gm, backend=backend), 0, 0.0, split)
+        module, split = _compiled(gm, backend, step)
+        run = CompiledStep(module, 0, 0.0, split)
         gm.meta[COMPILED_STEP] = run
     return run.module
 

@@ -1,4 +1,4 @@
-"""A compiled step whose graph computes its loss runs as two graphs, split before the loss.
+"""A compiled step whose graph computes its loss runs as two compiled graphs, split before the loss.
 
 Compiled as one graph, an output the loss does not read (logits returned beside their loss) gets
 a zero gradient of its size held through the backward; split before the loss, it gets the real
@@ -14,7 +14,7 @@ from torch import nn
 from profiling import StepInputs, TrainingStep, measure_step_peak_bytes, run_step
 from profiling.trace import trace_module
 from rewrite.compiled import compile_step
-from rewrite.loss_split import is_split_before_loss, split_before_loss
+from rewrite.loss_split import LossSplitStep, loss_tail
 
 VOCAB, BATCH, WIDTH = 2048, 256, 32
 
@@ -37,16 +37,18 @@ def example():
     return LanguageModelHead().train(), (torch.randn(BATCH, WIDTH), torch.randint(0, VOCAB, (BATCH,)))
 
 
-def test_the_break_goes_before_the_ops_only_the_loss_needs():
+def test_the_loss_graph_holds_the_ops_only_the_loss_needs_and_the_split_step_returns_the_same():
     model, inputs = example()
     gm = trace_module(model, inputs)
-    assert split_before_loss(gm)
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    at = targets.index(torch._dynamo.graph_break)
-    assert "cross_entropy" in str(targets[at + 1]) and targets[at + 1] is targets[-1]
-    assert not any("cross_entropy" in str(t) for t in targets[:at])
-    assert split_before_loss(gm) and sum(t is torch._dynamo.graph_break for t in
-                                         (n.target for n in gm.graph.nodes)) == 1  # done once
+    tail = loss_tail(gm)
+    assert [str(n.target) for n in tail] == ["aten.cross_entropy_loss.default"]
+    split = LossSplitStep(gm, tail)
+    assert not any("cross_entropy" in str(n.target) for n in split.head.graph.nodes)
+    torch.manual_seed(1)
+    expected = gm(*inputs)
+    torch.manual_seed(1)
+    got = split(*inputs)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 @pytest.mark.parametrize("case", ["criterion outside", "loss alone", "no loss field"])
@@ -67,8 +69,7 @@ def test_no_split_where_the_graph_does_not_return_its_loss_beside_other_outputs(
         gm, step = trace_module(LossAlone(), inputs), TrainingStep()
     else:
         gm, step = trace_module(nn.Linear(WIDTH, 4), (inputs[0],)), TrainingStep()
-    assert not split_before_loss(gm, step)
-    assert not is_split_before_loss(gm)
+    assert loss_tail(gm, step) == []
 
 
 @pytest.mark.slow
@@ -80,7 +81,7 @@ def test_split_step_peaks_lower_by_the_logits_with_the_same_loss_and_gradients()
     one_graph_peak = measure_step_peak_bytes(one_graph, step_inputs)
     split_gm = trace_module(model, inputs)
     run = compile_step(split_gm, step_inputs, backend="aot_eager")
-    assert run.split_before_loss and run.graph_breaks == 0
+    assert run.split_before_loss and run.graph_breaks == 0 and isinstance(run.module, LossSplitStep)
     split_peak = measure_step_peak_bytes(run.module, step_inputs)
     logits_bytes = BATCH * VOCAB * 4
     assert one_graph_peak - split_peak >= 0.9 * logits_bytes

@@ -155,8 +155,8 @@ class Plan:
     compile_graph_breaks: int | None = None
     #: seconds the first compiled step took (compiling included); None: the plan runs eagerly
     compile_s: float | None = None
-    #: the compiled step runs as two graphs, split before the loss it computes (not counted in
-    #: ``compile_graph_breaks``: docs/memory.md#compiled-steps)
+    #: the compiled step runs as two compiled graphs in a row, split before the loss it computes
+    #: (docs/memory.md#compiled-steps)
     compile_split_before_loss: bool = False
 
     @property
