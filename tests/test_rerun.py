@@ -94,28 +94,20 @@ def test_chain_costs_match_the_rule_on_every_run(seed, n):
             assert costs.flops(first, last) == flops
 
 
-def test_a_segment_that_recomputes_pays_the_checkpoint_once():
+@pytest.mark.parametrize("overhead, per_node", [({"segment_overhead_ms": 0.5}, False),
+                                                ({"range_overhead_ms_per_node": 0.125}, True)])
+def test_a_segment_that_recomputes_pays_its_overheads(overhead, per_node):
     """``segment_overhead_ms`` is added once to every segment whose backward recomputes (it
-    saves something), whatever its length; a segment that saves nothing recomputes nothing."""
-    g = dataclasses.replace(random_dag(3, 6), segment_overhead_ms=0.5)
-    plain = dataclasses.replace(g, segment_overhead_ms=0.0)
+    saves something), whatever its length; ``range_overhead_ms_per_node`` (the graph-break path's
+    recording and replay) once for each of its nodes, those after its last save included (the
+    forward records them too). A segment that saves nothing recomputes nothing and pays neither."""
+    g = dataclasses.replace(random_dag(3, 6), **overhead)
+    plain = dataclasses.replace(g, **{name: 0.0 for name in overhead})
+    amount = next(iter(overhead.values()))
     names = [node.name for node in g.compute_nodes]
     for last in range(len(names)):
         run = names[: last + 1]
         saves = any(g.node(name).saved_storages for name in run)
-        assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + (0.5 if saves else 0.0))
-        assert rerun_cost(g, run)[1] == rerun_cost(plain, run)[1]
-
-
-def test_a_recorded_range_pays_for_each_of_its_nodes():
-    """``range_overhead_ms_per_node`` (the graph-break path's recording and replay) is added for
-    every node of a segment whose backward recomputes, the nodes after its last save included
-    (the forward records them too); a segment that saves nothing pays nothing."""
-    g = dataclasses.replace(random_dag(5, 8), range_overhead_ms_per_node=0.125)
-    plain = dataclasses.replace(g, range_overhead_ms_per_node=0.0)
-    names = [node.name for node in g.compute_nodes]
-    for last in range(len(names)):
-        run = names[: last + 1]
-        saves = any(g.node(name).saved_storages for name in run)
-        assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + (0.125 * len(run) if saves else 0.0))
+        expected = amount * (len(run) if per_node else 1) if saves else 0.0
+        assert rerun_cost(g, run)[0] == pytest.approx(rerun_cost(plain, run)[0] + expected)
         assert rerun_cost(g, run)[1] == rerun_cost(plain, run)[1]
