@@ -47,6 +47,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from profiling.measure import StepInputs, TrainingStep, flat_graph_inputs, unflatten_output
+from rewrite.attach import _resolve
 
 __all__ = ["loss_tail", "LossSplitStep"]
 
@@ -134,6 +135,7 @@ class LossSplitStep(torch.nn.Module):
         head = torch.fx.GraphModule(gm, head_graph)
         # the head reads parameters through the graph's own module tree (the user's, once attached)
         head._modules, head._parameters, head._buffers = gm._modules, gm._parameters, gm._buffers
+
         def source(node: torch.fx.Node) -> tuple[str, Any]:
             """Where a value the tail or the output reads comes from."""
             if node.op == "placeholder":
@@ -174,16 +176,10 @@ class LossSplitStep(torch.nn.Module):
             if kind == "input":
                 return flat[where]
             if kind == "attr":
-                return _attr(self.gm, where)
+                return _resolve(self.gm, where)
             return head_out[where] if kind == "head" else where
 
         loss = self.tail(*(value(kind, where) for kind, where in self._tail_sources))
         return unflatten_output(self.gm, [loss if kind == "loss" else value(kind, where)
                                           for kind, where in self._out_leaves])
 
-
-def _attr(root: torch.nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
