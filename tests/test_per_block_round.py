@@ -71,3 +71,26 @@ def test_the_round_never_makes_the_plan_dearer(gpt2, policy, monkeypatch):
     without = solve(gpt2, budget)
     assert with_round.predicted_peak_bytes <= budget
     assert with_round.recompute_ms <= without.recompute_ms + 1e-9
+
+
+def test_a_shape_projected_past_the_label_cap_is_not_solved(gpt2, caplog, monkeypatch):
+    """With the DP's cap just above what the first solved start kept, the next, larger start
+    projects past it and is skipped, logged with its projection; the plan still fits."""
+    budget = _budget(gpt2, "every layer")
+    with caplog.at_level(logging.DEBUG, logger="planner.solvers.solve"):
+        solve(gpt2, budget)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("skipped: about" in m for m in messages)  # the default cap projects every start within it
+    start = next(i for i, m in enumerate(messages) if m.startswith("short segments on"))
+    first = next(m for m in messages[:start][::-1] if m.startswith("chain DP on"))
+    stages, labels = (int(v) for v in re.match(r"chain DP on (\d+) stages, \d+ segments: (\d+) labels", first).groups())
+    monkeypatch.setattr(short_start, "DEFAULT_MAX_LABELS", labels + 1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="planner.solvers.solve"):
+        plan = solve(gpt2, budget)
+    skipped = [m for m in (r.getMessage() for r in caplog.records) if "skipped: about" in m]
+    assert skipped, "a start of more stages than the solved one projects past a cap of its own labels"
+    more = int(re.match(r"short segments on (\d+) stages", skipped[0]).group(1))
+    assert more > stages
+    assert f"about {short_start.projected_labels(stages, labels, more)} labels" in skipped[0]
+    assert plan.predicted_peak_bytes <= budget

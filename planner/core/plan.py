@@ -129,6 +129,8 @@ class Plan:
     hit_time_limit: bool = False
     #: the segments are the chain DP's optimum over a stage model (no MILP solver was needed)
     by_chain_dp: bool = False
+    #: labels the chain DP kept solving that model: its cost (0: a MILP, or not the DP's plan)
+    chain_labels: int = 0
     #: transformations of the captured graph that make it compute other than the user's module
     #: (each asked for by name, e.g. ``simplify_attention_masks``); empty: the user's computation
     computation_changes: tuple[str, ...] = ()

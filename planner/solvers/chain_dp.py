@@ -49,7 +49,9 @@ Example:
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +62,8 @@ from planner.solvers.chain_rooms import SegmentRooms
 from planner.solvers.stage_model import StageModel, holder_groups
 
 __all__ = ["ChainPlan", "ChainSearchTooLarge", "DEFAULT_MAX_LABELS", "cheapest_plan", "cheapest_segments"]
+
+log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
 #: labels kept before the search gives up (12 bytes each are held to the end, about 300 MB;
 #: 20 with keep options)
@@ -77,6 +81,8 @@ class ChainPlan:
 
     segments: list[tuple[int, int]]
     keeps: list[tuple[int, int]]
+    #: labels the search kept: what it cost (docs/tuning.md#default_max_labels)
+    labels: int = 0
 
 #: slack on the memory constraints (MiB), as the ILP's feasibility tolerance
 _TOLERANCE_MIB = 1e-6
@@ -199,8 +205,9 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
         >>> g = CostGraph(tuple(nodes), tuple(Storage(i, nodes[i].output_bytes or 2**20, i == 0) for i in range(9)),
         ...               ("n8",))
         >>> model = build_stage_model(g, build_stages(g, 8), max_segment_stages=8, selective=True)
-        >>> cheapest_plan(model, budget_mib=21.0)  # stage 0's matmul keeps its output: only n2 reruns there
-        ChainPlan(segments=[(0, 1), (3, 3), (5, 5)], keeps=[(0, 0)])
+        >>> plan = cheapest_plan(model, budget_mib=21.0)  # stage 0's matmul keeps its output: only n2 reruns there
+        >>> plan.segments, plan.keeps, plan.labels > 0
+        ([(0, 1), (3, 3), (5, 5)], [(0, 0)], True)
     """
     stage_count = len(model.stages)
     groups = _groups(model)
@@ -315,7 +322,9 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                     still = frozenset(g for g in after_held if groups.last_stage[g] > b)
                     incoming[b + 1][still].add(st, co, pa, code, kc)
         incoming[j] = {}  # done with: free the chunks
-    return _backtrack(blocks, block_starts, final_costs, segment_list, keep_codes)
+    log.debug("chain DP on %d stages, %d segments: %d labels", stage_count, len(segment_list), next_id)
+    plan = _backtrack(blocks, block_starts, final_costs, segment_list, keep_codes)
+    return None if plan is None else dataclasses.replace(plan, labels=next_id)
 
 
 def _backtrack(blocks: list[_Block], block_starts: list[int], final_costs: list[tuple[_Block, np.ndarray]],

@@ -108,6 +108,8 @@ class IlpResult:
     kept: frozenset[str] = frozenset()
     #: solved by the chain DP (exact over the stage model) rather than a MILP solver
     by_chain_dp: bool = False
+    #: labels the chain DP kept (0 for a MILP)
+    chain_labels: int = 0
 
 
 def run_solver(prob: pulp.LpProblem, name: str, time_limit_s: float, presolve: bool = True,

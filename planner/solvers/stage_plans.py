@@ -70,7 +70,7 @@ def _solve_chain(model: StageModel, budget_mib: float) -> IlpResult | None:
     if plan is None:
         return None
     kept = frozenset(name for j, o in plan.keeps for name in model.keep_options[j][o].node_names)
-    return IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept, by_chain_dp=True)
+    return IlpResult(plan.segments, CHAIN_DP, 0.0, False, kept, by_chain_dp=True, chain_labels=plan.labels)
 
 
 def stage_segments(graph: CostGraph, model: StageModel, chosen: list[tuple[int, int]],
@@ -108,6 +108,7 @@ def to_plan(
         optimality_gap=result.gap if result else None,
         hit_time_limit=result.hit_time_limit if result else False,
         by_chain_dp=result.by_chain_dp if result else False,
+        chain_labels=result.chain_labels if result else 0,
     )
 
 
