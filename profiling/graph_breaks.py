@@ -254,9 +254,13 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
     """
     step = step if step is not None else TrainingStep()
     inputs = example_inputs if isinstance(example_inputs, StepInputs) else StepInputs.from_example(example_inputs)
-    peak_bytes = measure_step_peak_bytes(model, inputs, step)
     first = _record_step(model, inputs, step)
-    times_ms, step_ms = time_ops(model, inputs, step, timing_repeats)
+    # on CPU the step that measures each op's peaks also measures the step's: one step less
+    peaks = measure_op_peaks(model, inputs, step)
+    peak_bytes = peaks.step_peak_bytes if peaks.step_peak_bytes is not None else \
+        measure_step_peak_bytes(model, inputs, step)
+    # the two steps before warmed the allocator: the timing needs no warm-up step of its own
+    times_ms, step_ms = time_ops(model, inputs, step, timing_repeats, warm_up=False)
     model_ops = [r for r in first.ops if not r.in_loss]
     if len(times_ms) == len(model_ops):
         for record, ms in zip(model_ops, times_ms):
@@ -270,11 +274,10 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
             if (key := _key(t)) is not None:
                 persistent.setdefault(key, kind)
                 first.bytes_of.setdefault(key, t.untyped_storage().nbytes())
-    forward_peaks, backward_peaks = measure_op_peaks(model, inputs, step)
     for record in first.ops:
         if not record.in_loss:
-            record.forward_peak_bytes = forward_peaks.get(record.index, 0)
-            record.backward_peak_bytes = backward_peaks.get(record.index, 0) + record.function_saved_bytes
+            record.forward_peak_bytes = peaks.forward.get(record.index, 0)
+            record.backward_peak_bytes = peaks.backward.get(record.index, 0) + record.function_saved_bytes
     graph = _cost_graph(first, persistent, step, step_ms, peak_bytes)
 
     return calibrated(graph)

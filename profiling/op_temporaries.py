@@ -6,30 +6,36 @@ op wrapped in a ``record_function`` range, so its forward window is that range; 
 sequence numbers created between the end of the previous op and the end of this one are its
 autograd nodes, whose ``evaluate_function`` events in the backward are its backward window. A
 window's peak is the highest running allocation total inside it minus the total at its start,
-as :mod:`profiling.temporaries` measures the nodes of a captured graph.
+as :mod:`profiling.temporaries` measures the nodes of a captured graph. On CPU the same
+step's highest running total is the step's peak, as :func:`profiling.measure.measure_step_peak_bytes`
+measures it, so the profile runs no step of its own for it.
 
 Example:
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-    >>> from profiling.measure import StepInputs
-    >>> fwd, bwd = measure_op_peaks(model, StepInputs.from_example((torch.randn(4, 8),)))
-    >>> fwd[2] >= 4 * 8 * 4, 1 in bwd
+    >>> from profiling.measure import StepInputs, measure_step_peak_bytes
+    >>> inputs = StepInputs.from_example((torch.randn(4, 8),))
+    >>> peaks = measure_op_peaks(model, inputs)
+    >>> peaks.forward[2] >= 4 * 8 * 4, 1 in peaks.backward
     (True, True)
+    >>> peaks.step_peak_bytes == measure_step_peak_bytes(model, inputs)
+    True
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiling.measure import StepInputs, TrainingStep, allocation_events, memory_profile, preserved_state
+from profiling.measure import (StepInputs, TrainingStep, allocation_events, device_of, memory_profile,
+                               preserved_state, profiled_step_peak_bytes)
 from profiling.op_counting import UNCOUNTED_OPS
 from profiling.temporaries import walk_events, window_peaks
 
-__all__ = ["measure_op_peaks"]
+__all__ = ["OpPeaks", "measure_op_peaks"]
 
 _PREFIX = "opnode::"
 _BACKWARD = "autograd::engine::evaluate_function:"
@@ -77,19 +83,33 @@ class _Labelled(TorchDispatchMode):
             self._function = None
 
 
-def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
-                     step: TrainingStep = TrainingStep()) -> tuple[dict[int, int], dict[int, int]]:
-    """Per model op index, the bytes allocated at its forward's and its backward's high point."""
+class OpPeaks(NamedTuple):
+    """What one measured step gives the op-stream profile."""
+
+    #: per model op index, the bytes allocated at its forward's high point
+    forward: dict[int, int]
+    #: per model op index, the bytes allocated at its backward's high point
+    backward: dict[int, int]
+    #: the step's peak at the allocator on CPU (None on CUDA, where the profiler's running total
+    #: is not what ``max_memory_allocated`` reports)
+    step_peak_bytes: int | None
+
+
+def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep = TrainingStep()) -> OpPeaks:
+    """Each model op's forward and backward peaks in one training step, and on CPU the step's peak."""
     labels = _Labelled()
-    with preserved_state(model), memory_profile() as prof:
-        with labels:
-            output = model(*inputs.args, **inputs.kwargs)
-        labels.close_function()
-        loss = step.loss(output)
-        if not step.output_held:
-            output = None
-        loss.backward()
-        del output, loss
+    on_cpu = device_of(model, inputs).type == "cpu"
+    with preserved_state(model):
+        with memory_profile() as prof:
+            with labels:
+                output = model(*inputs.args, **inputs.kwargs)
+            labels.close_function()
+            loss = step.loss(output)
+            if not step.output_held:
+                output = None
+            loss.backward()
+            del output, loss
+        step_peak_bytes = profiled_step_peak_bytes(model, inputs, prof) if on_cpu else None
     events = walk_events(list(prof.profiler.kineto_results.experimental_event_tree()))
     peak_in = window_peaks(allocation_events(prof, "cpu" if not torch.cuda.is_available() else "cuda"))
 
@@ -110,4 +130,4 @@ def measure_op_peaks(model: torch.nn.Module, inputs: StepInputs,
         index = labels.sequences[at][2]
         lo, hi = windows.get(index, (event.start_time_ns, event.end_time_ns))
         windows[index] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
-    return forward, {index: peak_in(lo, hi) for index, (lo, hi) in windows.items()}
+    return OpPeaks(forward, {index: peak_in(lo, hi) for index, (lo, hi) in windows.items()}, step_peak_bytes)

@@ -65,12 +65,15 @@ class _Timed(torch.nn.Module):
 
 
 def time_ops(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep = TrainingStep(),
-             repeats: int = 2) -> tuple[list[float], float]:
-    """Per counted op of the forward, its time in ms; and the unoptimized step's time in ms."""
+             repeats: int = 2, *, warm_up: bool = True) -> tuple[list[float], float]:
+    """Per counted op of the forward, its time in ms; and the unoptimized step's time in ms.
+    ``warm_up``: run an untimed step first, so the allocator's buffers exist (False where the
+    caller has just run steps of the model)."""
     passes: list[_OpTimer] = []
     step_times_ms: list[float] = []
     with preserved_state(model):
-        run_step(model, inputs, step)  # warm-up: the allocator's buffers exist
+        if warm_up:
+            run_step(model, inputs, step)
         for _ in range(max(1, repeats)):
             started = time.perf_counter()
             run_step(model, inputs, step)
