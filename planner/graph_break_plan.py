@@ -67,10 +67,13 @@ def graph_break_plan(graph: CostGraph, budget_gb: float, options: PlanOptions = 
 
 
 def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                      timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None) -> Any:
+                      timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None,
+                      cache_dir: str | None = None) -> Any:
     """Plan ``model`` over the ATen ops of its step for ``budget_gb`` and return the checkpointed
     module (:class:`rewrite.graph_breaks.BreakCheckpointedModule`) whose measured step peak is
     within the budget. Inputs of another shape are profiled and planned again on first use.
+    ``cache_dir``: where op-stream profiles are kept (:func:`profiling.graph_breaks.profile_op_stream`;
+    None: not kept).
 
     Raises:
         InfeasibleBudgetError: no plan over the op stream fits; the message names the smallest
@@ -81,10 +84,11 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
     if options.world_size != 1:
         raise InputError(f"the graph-break path plans one process: world_size must be 1, got {options.world_size}")
     inputs = StepInputs.from_example(example_inputs)
-    plan, regions, graph = _planned(model, inputs, budget_gb, options, timing_repeats, step)
+    plan, regions, graph = _planned(model, inputs, budget_gb, options, timing_repeats, step, cache_dir)
 
     def replan(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _planned(model, StepInputs(tuple(args), dict(kwargs)), budget_gb, options, timing_repeats, step)
+        return _planned(model, StepInputs(tuple(args), dict(kwargs)), budget_gb, options, timing_repeats, step,
+                        cache_dir)
 
     return BreakCheckpointedModule(model, plan, regions, cost_graph=graph,
                                    expected_ops=graph.metadata.get("op_names"),
@@ -92,9 +96,9 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
 
 
 def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, timing_repeats: int,
-             step: Any) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
+             step: Any, cache_dir: str | None) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
     """The measured plan for ``inputs``: its op ranges and the profile it was solved on."""
-    graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step)
+    graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step, cache_dir=cache_dir)
     # each op of a recomputed range is recorded and replayed in Python: a cost beyond its time
     graph = dataclasses.replace(graph, range_overhead_ms_per_node=measured_range_overhead_ms_per_op(
         device_of(model, inputs)))

@@ -220,14 +220,14 @@ def optimize(
                             step=capture.step)
     if capture.trace_method == "graph-breaks":
         return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
-                                 step=capture.step)
+                                 step=capture.step, cache_dir=capture.cache_dir)
     if not isinstance(share_plan, bool):
         raise InputError(f"share_plan must be True or False, got {share_plan!r}")
     replan = Replanner(budget_gb, planning, capture, share_plan=share_plan)
     try:
         gm, plan, graph = replan(model, example_inputs)
     except TraceError as exc:
-        return plan_without_capture(model, example_inputs, budget_gb, planning, timing_repeats, capture.step, exc)
+        return plan_without_capture(model, example_inputs, budget_gb, planning, capture, exc)
     return CheckpointedModule(gm, model, plan, cost_graph=graph, example_inputs=example_inputs, replan=replan)
 
 

@@ -11,10 +11,10 @@ from typing import Any
 import torch.distributed as dist
 
 from planner.core.errors import InfeasibleBudgetError, ProfileError, TraceError
+from planner.capture_options import CaptureOptions
 from planner.core.options import PlanOptions
 from planner.graph_break_plan import plan_graph_breaks
 from planner.module_plan import plan_modules
-from profiling.measure import TrainingStep
 
 __all__ = ["plan_without_capture", "graph_breaks_apply"]
 
@@ -33,7 +33,7 @@ def graph_breaks_apply(planning: PlanOptions) -> bool:
 
 
 def plan_without_capture(model: Any, example_inputs: Any, budget_gb: float, planning: PlanOptions,
-                         timing_repeats: int, step: TrainingStep, error: TraceError) -> Any:
+                         capture: CaptureOptions, error: TraceError) -> Any:
     """The checkpointed module of the graph-break path or, where it fails, of the module path,
     for a model whose capture failed with ``error``. An infeasible budget is raised as it is; a
     model that runs on neither path raises one :class:`TraceError` naming both failures."""
@@ -42,8 +42,8 @@ def plan_without_capture(model: Any, example_inputs: Any, budget_gb: float, plan
         log.warning("%s; planning over the ops of its eager step instead (trace_method='graph-breaks' skips "
                     "the capture)", first_line)
         try:
-            return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats,
-                                     step=step)
+            return plan_graph_breaks(model, example_inputs, budget_gb, planning, timing_repeats=capture.timing_repeats,
+                                     step=capture.step, cache_dir=capture.cache_dir)
         except InfeasibleBudgetError:
             raise
         except Exception as break_exc:  # noqa: BLE001 - any failure of that path leaves the module path
@@ -51,6 +51,7 @@ def plan_without_capture(model: Any, example_inputs: Any, budget_gb: float, plan
     log.warning("%s; planning over submodule calls instead: a coarser plan (whole modules are checkpointed, "
                 "trace_method='modules' skips the capture)", first_line)
     try:
-        return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=timing_repeats, step=step)
+        return plan_modules(model, example_inputs, budget_gb, planning, timing_repeats=capture.timing_repeats,
+                            step=capture.step)
     except ProfileError as run_exc:  # the model does not run eagerly either: both failures, one line
         raise TraceError(f"{first_line}; and the module path could not run it: {run_exc}") from error

@@ -37,6 +37,7 @@ import logging
 import os
 import platform
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from profiling import profile
 from profiling.measure import StepInputs, TrainingStep
 
 __all__ = ["CACHE_VERSION", "AUTO_CACHE_DIR", "CACHE_DIR_ENV", "fingerprint", "machine_identity", "resolve_cache_dir",
-           "save_profile", "load_profile", "cached_profile_graph"]
+           "save_profile", "load_profile", "cached_profile_graph", "measurement_parts", "digest", "through_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,26 @@ def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = F
 
     inputs = StepInputs.from_example(example_inputs)
     tensors = [*gm.parameters(), *gm.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
+    parts = [*measurement_parts(tensors, fake=fake, target=target, step=step), gm.code]
+    parts += [f"param {n} {_describe(p)}" for n, p in gm.named_parameters(remove_duplicate=False)]
+    parts += [f"buffer {n} {_describe(b)}" for n, b in gm.named_buffers(remove_duplicate=False)]
+    parts += [f"arg {_describe(a)}" for a in tree_leaves(inputs.args)]
+    parts += [f"kwarg {k} {_describe(a)}" for k in sorted(inputs.kwargs) for a in tree_leaves(inputs.kwargs[k])]
+    return digest(parts)
+
+
+def measurement_parts(tensors: list[Any], *, fake: bool = False, target: str = "cpu",
+                      step: TrainingStep = TrainingStep()) -> list[str]:
+    """What decides a profile besides the graph: this cache's version and record fields, torch,
+    the machine and kernel modes of the devices ``tensors`` are on, the profiling mode and target,
+    and the training step.
+
+    Example:
+        >>> measurement_parts([torch.zeros(1)])[0] == f"version={CACHE_VERSION}"
+        True
+    """
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor)} or {torch.device("cpu")}
-    h = hashlib.sha256()
-    parts = [
+    return [
         f"version={CACHE_VERSION}",
         f"schema={_schema()}",
         f"torch={torch.__version__}",
@@ -173,12 +191,17 @@ def fingerprint(gm: torch.fx.GraphModule, example_inputs: Any, *, fake: bool = F
         f"mode={'fake' if fake else 'measured'}",
         f"target={target.lower()}",
         f"step={step.describe()}",
-        gm.code,
     ]
-    parts += [f"param {n} {_describe(p)}" for n, p in gm.named_parameters(remove_duplicate=False)]
-    parts += [f"buffer {n} {_describe(b)}" for n, b in gm.named_buffers(remove_duplicate=False)]
-    parts += [f"arg {_describe(a)}" for a in tree_leaves(inputs.args)]
-    parts += [f"kwarg {k} {_describe(a)}" for k in sorted(inputs.kwargs) for a in tree_leaves(inputs.kwargs[k])]
+
+
+def digest(parts: list[str]) -> str:
+    """SHA-256 hex digest of ``parts`` in order (a profile's fingerprint).
+
+    Example:
+        >>> digest(["a", "b"]) == digest(["a", "b"]) != digest(["ab"])
+        True
+    """
+    h = hashlib.sha256()
     for part in parts:
         h.update(part.encode())
         h.update(b"\0")
@@ -282,6 +305,22 @@ def cached_profile_graph(
     key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
                       target=str(profile_kwargs.get("target", "cpu")),
                       step=profile_kwargs.get("step", TrainingStep()))
+    return through_cache(folder, key, lambda: profile.profile_graph(gm, example_inputs, **profile_kwargs))
+
+
+def through_cache(folder: Path, key: str, make: Callable[[], CostGraph]) -> CostGraph:
+    """The profile stored as ``key`` in ``folder``, or ``make()``'s, stored there (see
+    :func:`cached_profile_graph`); ``metadata["cache"]`` says which.
+
+    Example:
+        >>> import tempfile
+        >>> g = CostGraph((CostNode("x", "placeholder", kind="input", output_storages=(0,)),), (Storage(0, 8, True),))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     first = through_cache(Path(d), "k", lambda: g)
+        ...     again = through_cache(Path(d), "k", lambda: None)   # read from the file
+        >>> first.metadata["cache"], again.metadata["cache"], again.nodes == g.nodes
+        ('miss', 'hit', True)
+    """
     path = folder / f"{key}.json"
     if path.exists():
         try:
@@ -292,7 +331,7 @@ def cached_profile_graph(
             log.info("profile cache hit: %s (%d nodes)", path, len(graph.nodes))
             graph.metadata.update(cache="hit", fingerprint=key)
             return graph
-    graph = profile.profile_graph(gm, example_inputs, **profile_kwargs)
+    graph = make()
     try:
         save_profile(graph, path, key)
     except OSError as exc:

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -37,13 +38,14 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.core.costgraph import CostGraph, CostNode, Storage
+from profiling.cache import digest, measurement_parts, resolve_cache_dir, through_cache
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
 from profiling.module_costgraph import calibrated
 from profiling.op_counting import UNCOUNTED_OPS
 from profiling.op_temporaries import measure_op_peaks
 from profiling.op_times import time_ops
 
-__all__ = ["OpRecord", "profile_op_stream", "op_node_index", "BREAK_OPS"]
+__all__ = ["OpRecord", "profile_op_stream", "op_stream_fingerprint", "op_node_index", "BREAK_OPS"]
 
 log = logging.getLogger(__name__)
 
@@ -243,18 +245,108 @@ def _record_step(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep)
 
 
 def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2,
-                      step: TrainingStep | None = None) -> CostGraph:
+                      step: TrainingStep | None = None, cache_dir: str | os.PathLike[str] | None = None) -> CostGraph:
     """One :class:`CostGraph` for ``model``'s training step as the ATen ops it dispatches.
 
+    With ``cache_dir`` (``"auto"``: the user's cache folder, :func:`profiling.cache.resolve_cache_dir`)
+    the profile is kept there, keyed by the recorded op stream (:func:`op_stream_fingerprint`):
+    a later call on the same ops runs the recording step and reads the rest (node times, peaks)
+    from the file, so it gets the same profile, and the same plan, as the first.
+
     Example:
+        >>> import tempfile
         >>> lin = torch.nn.Linear(4, 4)
         >>> g = profile_op_stream(lin, (torch.randn(2, 4),), timing_repeats=1)
         >>> g.metadata["capture"], g.metadata["model_ops"]
         ('graph-breaks', 2)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     first = profile_op_stream(lin, (torch.randn(2, 4),), timing_repeats=1, cache_dir=folder)
+        ...     again = profile_op_stream(lin, (torch.randn(2, 4),), timing_repeats=1, cache_dir=folder)
+        >>> first.metadata["cache"], again.metadata["cache"], again.nodes == first.nodes
+        ('miss', 'hit', True)
     """
     step = step if step is not None else TrainingStep()
     inputs = example_inputs if isinstance(example_inputs, StepInputs) else StepInputs.from_example(example_inputs)
     first = _record_step(model, inputs, step)
+    persistent = _persistent_storages(model, inputs, first)
+    folder = resolve_cache_dir(cache_dir)
+    if folder is None:
+        return _measured_profile(model, inputs, step, timing_repeats, first, persistent)
+    tensors = [*model.parameters(), *model.buffers(), *inputs.tensors()]
+    key = op_stream_fingerprint(_cost_graph(first, persistent, step, 0.0, 0), tensors, step)
+    return through_cache(folder, key,
+                         lambda: _measured_profile(model, inputs, step, timing_repeats, first, persistent))
+
+
+def _persistent_storages(model: torch.nn.Module, inputs: StepInputs, first: _Recorder) -> dict[int, str]:
+    """The storages of the parameters, buffers and inputs, by key: ``param``, ``buffer`` or ``input``."""
+    persistent: dict[int, str] = {}
+    for kind, tensors in (("param", model.parameters()), ("buffer", model.buffers()), ("input", inputs.tensors())):
+        for t in tensors:
+            if (key := _key(t)) is not None:
+                persistent.setdefault(key, kind)
+                first.bytes_of.setdefault(key, t.untyped_storage().nbytes())
+    return persistent
+
+
+#: the fields of a node that say what the step computes and holds (not what it measured)
+_STRUCTURE_FIELDS = ("op", "kind", "output_bytes", "requires_grad", "is_alias", "flops", "recomputable",
+                     "is_random", "module", "after_last_save_fraction")
+
+
+def op_stream_fingerprint(graph: CostGraph, tensors: list[Any], step: TrainingStep) -> str:
+    """SHA-256 naming the profile of an op stream: what :func:`profiling.cache.measurement_parts`
+    says of the machine and the step, and the stream's ops, storages and module paths with
+    storages numbered by first use (their addresses differ from run to run).
+
+    Example:
+        >>> lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+        >>> a = profile_op_stream(lin, (x,), timing_repeats=1)
+        >>> b = profile_op_stream(lin, (x,), timing_repeats=1)
+        >>> op_stream_fingerprint(a, [x], TrainingStep()) == op_stream_fingerprint(b, [x], TrainingStep())
+        True
+        >>> op_stream_fingerprint(a, [x], TrainingStep(output_held=True)) == op_stream_fingerprint(a, [x], TrainingStep())
+        False
+    """
+    persistent_kinds = ("param", "buffer", "input")
+    by_name = {node.name: node for node in graph.nodes}
+    number: dict[int, int] = {}
+    names: dict[str, str] = {}
+
+    def canonical(key: int) -> int:
+        return number.setdefault(key, len(number))
+
+    def label(name: str) -> str:
+        # a parameter, buffer or input: named by its first use, since its node is named by its address
+        node = by_name.get(name)
+        if node is None or node.kind not in persistent_kinds:
+            return name
+        if name not in names:
+            names[name] = f"{node.kind}{[canonical(k) for k in node.output_storages]}"
+        return names[name]
+
+    ops = []
+    for node in graph.nodes:
+        if node.kind in persistent_kinds:
+            continue
+        inputs = [label(n) for n in node.input_names]
+        outputs = [canonical(k) for k in node.output_storages]
+        saved = [canonical(k) for k in node.saved_storages]
+        fields = ",".join(f"{f}={getattr(node, f)!r}" for f in _STRUCTURE_FIELDS)
+        ops.append(f"{node.name}|{inputs}|{outputs}|{saved}|{fields}")
+    unused = sorted((n.kind, n.output_bytes) for n in graph.nodes
+                    if n.kind in persistent_kinds and n.name not in names)
+    parts = [*measurement_parts(tensors, step=step), "graph-breaks", *ops, f"unused {unused}"]
+    parts += sorted(f"storage {number[s.key]} {s.size_bytes} {s.persistent}" for s in graph.storages if s.key in number)
+    parts.append(f"other storages {sorted((s.size_bytes, s.persistent) for s in graph.storages if s.key not in number)}")
+    parts += [f"outputs {[label(n) for n in graph.output_names]}",
+              f"ops {graph.metadata.get('op_names')} {graph.metadata.get('subgraphs')}"]
+    return digest(parts)
+
+
+def _measured_profile(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep, timing_repeats: int,
+                      first: _Recorder, persistent: dict[int, str]) -> CostGraph:
+    """The recorded step ``first`` with its ops' times and peaks measured, and the step's."""
     # on CPU the step that measures each op's peaks also measures the step's: one step less
     peaks = measure_op_peaks(model, inputs, step)
     peak_bytes = peaks.step_peak_bytes if peaks.step_peak_bytes is not None else \
@@ -268,12 +360,6 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
     else:
         log.debug("the timing steps dispatched %d ops, the profiled one %d: times of the profiled step are used",
                   len(times_ms), len(model_ops))
-    persistent: dict[int, str] = {}
-    for kind, tensors in (("param", model.parameters()), ("buffer", model.buffers()), ("input", inputs.tensors())):
-        for t in tensors:
-            if (key := _key(t)) is not None:
-                persistent.setdefault(key, kind)
-                first.bytes_of.setdefault(key, t.untyped_storage().nbytes())
     for record in first.ops:
         if not record.in_loss:
             record.forward_peak_bytes = peaks.forward.get(record.index, 0)

@@ -354,3 +354,22 @@ def test_the_profiled_op_stream_is_the_stream_a_plain_forward_dispatches():
     with plain:
         model(x)
     assert graph.metadata["op_names"] == plain.ops
+
+
+def test_an_op_stream_profile_is_kept_and_read_back_by_its_recorded_ops(tmp_path):
+    """optimize with a cache folder: a second call on the same model reads the profile the first
+    stored (same nodes, so the same plan), and the same model on another input shape, whose ops
+    differ, is profiled anew."""
+    model, (x,) = build("item_branch", width=32, tokens=256, layers=4)
+    budget_gb = 0.75 * measure_step_peak_bytes(model, StepInputs.from_example((x,))) / 2**30
+    first = optimize(model, (x,), budget_gb=budget_gb, trace_method="graph-breaks", timing_repeats=1,
+                     cache_dir=str(tmp_path))
+    again = optimize(model, (x,), budget_gb=budget_gb, trace_method="graph-breaks", timing_repeats=1,
+                     cache_dir=str(tmp_path))
+    assert first.cost_graph.metadata["cache"] == "miss" and again.cost_graph.metadata["cache"] == "hit"
+    assert again.cost_graph.nodes == first.cost_graph.nodes
+    assert again.plan.segments == first.plan.segments and again.regions == first.regions
+    other = profile_op_stream(model, (x[:128],), timing_repeats=1, cache_dir=str(tmp_path))
+    assert other.metadata["cache"] == "miss"
+    assert other.metadata["fingerprint"] != first.cost_graph.metadata["fingerprint"]
+    assert len(list(tmp_path.glob("*.json"))) == 2
