@@ -5,7 +5,7 @@ unoptimized training step's time (median of warm steps, half taken before the ca
 after), then ``optimize(model, inputs, budget_gb=...)`` at default settings, at a budget of
 70 % of the measured unoptimized peak, timed whole and by phase: capture
 (``profiling.trace.trace_module``), profile (``profiling.cache.cached_profile_graph``: the
-profiling run and the warm timing passes), solve (``planner.budget_plan.plan_for_budget``, every
+profiling run and the warm timing passes; on the graph-break path ``profile_op_stream``), solve (``planner.budget_plan.plan_for_budget``, every
 solve of the call), measure (the measured steps: ``measure_unoptimized_step``, the unoptimized
 step against the budget, which is also the profile's per-node temporaries and the step's peak,
 then ``measure_step_peak_bytes``, the plan's check), rewrite (``apply_plan``) and the rest.
@@ -56,7 +56,8 @@ MODELS: dict[str, tuple[str, Callable[[], tuple[torch.nn.Module, Any]]]] = {
 }
 
 #: the functions each phase of ``optimize`` runs, by name, wherever a planner module imported them
-PHASE_FUNCTIONS = {"capture": ("trace_module",), "profile": ("cached_profile_graph",), "solve": ("plan_for_budget",),
+PHASE_FUNCTIONS = {"capture": ("trace_module",), "profile": ("cached_profile_graph", "profile_op_stream"),
+                   "solve": ("plan_for_budget",),
                    "measure": ("measure_step_peak_bytes", "measure_unoptimized_step"), "rewrite": ("apply_plan",)}
 PHASES = tuple(PHASE_FUNCTIONS)
 MAX_STEPS_BESIDE_SOLVE = 6
@@ -78,6 +79,11 @@ How to read it:
   names, as a user would: both calls are timed together (the second reads the first's profile).
 - *beside the solve*: the call's time less the solve, in unoptimized steps. Bar: at most
   {MAX_STEPS_BESIDE_SOLVE} steps beside the solve, and the solve under {MAX_SOLVE_S:.0f} s.
+- On the graph-break path (a model `torch.export` cannot capture: *capture* is the failed
+  attempt) *profile* is the op-stream profile (`profile_op_stream`: a recording step, a step
+  under the memory profiler that also measures the unoptimized peak, then the timing steps, or,
+  where the cache holds the recorded ops' profile, the recording step alone) and *measure* the
+  plans' measured steps.
 - Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), then the warm
   timing passes (`timing_repeats` = 2, the first of them the step under the memory profiler,
   more while they spread by over 25 %, the slowest of the first two dropped once; the step's time
