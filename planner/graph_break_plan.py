@@ -147,12 +147,19 @@ def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOpt
     """Where the prediction refuses the budget (it can sit above the allocator's figure), the
     hand-placed plans (cheapest first) and the smallest-peak plan predicted within
     :data:`MEASURED_FIT_TOLERANCE` of it, measured: the first whose step fits. Where none fits
-    and the smallest-peak plan measured above the floor the refusal names, the budget that plan
-    needs (its measured peak plus ``reserve_gb``): the refusal then names a floor that plans.
-    Else None."""
+    (or the budget is further below), and the smallest-peak plan measured above the floor the
+    refusal names, the budget that plan needs (its measured peak plus ``reserve_gb``): the
+    refusal then names a floor that plans. Else None."""
     budget_bytes = check_budget_gb(budget_gb)
     if refusal.min_feasible_bytes > budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
-        return None
+        # far below: nothing to try here, but the floor to name is the smallest-peak plan's
+        # measured need where that is above its prediction, so that the budget named plans
+        try:
+            smallest_plan = graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
+        except InfeasibleBudgetError:
+            return None
+        needs = measured(smallest_plan)[1] + options.reserve_bytes
+        return needs if needs > refusal.min_feasible_bytes else None
     candidates: list[Plan] = []
     for hand in sorted(hand_placed_plans(graph), key=lambda h: sum(s.recompute_flops for s in h.segments)):
         if not any(s.kept_nodes for s in hand.segments) and \

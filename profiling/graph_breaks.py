@@ -38,14 +38,15 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.core.costgraph import CostGraph, CostNode, Storage
-from profiling.cache import digest, measurement_parts, resolve_cache_dir, through_cache
+from profiling.cache import resolve_cache_dir, through_cache
 from profiling.measure import StepInputs, TrainingStep, measure_step_peak_bytes, preserved_state
 from profiling.module_costgraph import calibrated
 from profiling.op_counting import UNCOUNTED_OPS
+from profiling.op_stream_key import op_stream_fingerprint
 from profiling.op_temporaries import measure_op_peaks
 from profiling.op_times import time_ops
 
-__all__ = ["OpRecord", "profile_op_stream", "op_stream_fingerprint", "op_node_index", "BREAK_OPS"]
+__all__ = ["OpRecord", "profile_op_stream", "op_node_index", "BREAK_OPS"]
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
     """One :class:`CostGraph` for ``model``'s training step as the ATen ops it dispatches.
 
     With ``cache_dir`` (``"auto"``: the user's cache folder, :func:`profiling.cache.resolve_cache_dir`)
-    the profile is kept there, keyed by the recorded op stream (:func:`op_stream_fingerprint`):
+    the profile is kept there, keyed by the recorded op stream (:func:`profiling.op_stream_key.op_stream_fingerprint`):
     a later call on the same ops runs the recording step and reads the rest (node times, peaks)
     from the file, so it gets the same profile, and the same plan, as the first.
 
@@ -287,61 +288,6 @@ def _persistent_storages(model: torch.nn.Module, inputs: StepInputs, first: _Rec
                 persistent.setdefault(key, kind)
                 first.bytes_of.setdefault(key, t.untyped_storage().nbytes())
     return persistent
-
-
-#: the fields of a node that say what the step computes and holds (not what it measured)
-_STRUCTURE_FIELDS = ("op", "kind", "output_bytes", "requires_grad", "is_alias", "flops", "recomputable",
-                     "is_random", "module", "after_last_save_fraction")
-
-
-def op_stream_fingerprint(graph: CostGraph, tensors: list[Any], step: TrainingStep) -> str:
-    """SHA-256 naming the profile of an op stream: what :func:`profiling.cache.measurement_parts`
-    says of the machine and the step, and the stream's ops, storages and module paths with
-    storages numbered by first use (their addresses differ from run to run).
-
-    Example:
-        >>> lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
-        >>> a = profile_op_stream(lin, (x,), timing_repeats=1)
-        >>> b = profile_op_stream(lin, (x,), timing_repeats=1)
-        >>> op_stream_fingerprint(a, [x], TrainingStep()) == op_stream_fingerprint(b, [x], TrainingStep())
-        True
-        >>> op_stream_fingerprint(a, [x], TrainingStep(output_held=True)) == op_stream_fingerprint(a, [x], TrainingStep())
-        False
-    """
-    persistent_kinds = ("param", "buffer", "input")
-    by_name = {node.name: node for node in graph.nodes}
-    number: dict[int, int] = {}
-    names: dict[str, str] = {}
-
-    def canonical(key: int) -> int:
-        return number.setdefault(key, len(number))
-
-    def label(name: str) -> str:
-        # a parameter, buffer or input: named by its first use, since its node is named by its address
-        node = by_name.get(name)
-        if node is None or node.kind not in persistent_kinds:
-            return name
-        if name not in names:
-            names[name] = f"{node.kind}{[canonical(k) for k in node.output_storages]}"
-        return names[name]
-
-    ops = []
-    for node in graph.nodes:
-        if node.kind in persistent_kinds:
-            continue
-        inputs = [label(n) for n in node.input_names]
-        outputs = [canonical(k) for k in node.output_storages]
-        saved = [canonical(k) for k in node.saved_storages]
-        fields = ",".join(f"{f}={getattr(node, f)!r}" for f in _STRUCTURE_FIELDS)
-        ops.append(f"{node.name}|{inputs}|{outputs}|{saved}|{fields}")
-    unused = sorted((n.kind, n.output_bytes) for n in graph.nodes
-                    if n.kind in persistent_kinds and n.name not in names)
-    parts = [*measurement_parts(tensors, step=step), "graph-breaks", *ops, f"unused {unused}"]
-    parts += sorted(f"storage {number[s.key]} {s.size_bytes} {s.persistent}" for s in graph.storages if s.key in number)
-    parts.append(f"other storages {sorted((s.size_bytes, s.persistent) for s in graph.storages if s.key not in number)}")
-    parts += [f"outputs {[label(n) for n in graph.output_names]}",
-              f"ops {graph.metadata.get('op_names')} {graph.metadata.get('subgraphs')}"]
-    return digest(parts)
 
 
 def _measured_profile(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep, timing_repeats: int,

@@ -238,6 +238,15 @@ def test_a_refusal_names_the_floor_the_smallest_peak_plan_measured_where_the_pre
     plan, _ = _fitting_on_measurement(graph, budget_bytes / 2**30, options, refusal, fits, budget_bytes)
     assert plan.measured_peak_bytes == budget_bytes
 
+    # a budget far below the floor: no plan is tried for it, but the floor named is still the
+    # smallest-peak plan's measured need where that is above the prediction, and the solver's
+    # floor where it is not
+    far_bytes = floor_bytes // 2
+    far = InfeasibleBudgetError(far_bytes, floor_bytes, None, graph.measured_peak_bytes)
+    assert _fitting_on_measurement(graph, far_bytes / 2**30, options, far, measured, far_bytes) == \
+        measured_bytes + 2**20
+    assert _fitting_on_measurement(graph, far_bytes / 2**30, options, far, lambda plan: ((), 0), far_bytes) is None
+
 
 class _TanhGelu(torch.autograd.Function):
     """A GELU written as a custom Function, as some model families write theirs: the forward saves

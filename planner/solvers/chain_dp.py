@@ -49,9 +49,9 @@ Example:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import defaultdict
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
