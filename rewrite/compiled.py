@@ -51,6 +51,7 @@ from planner.core.options import COMPILE_BACKEND
 from profiling.interpreter import step_timer
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes, preserved_state, run_step
 from planner.core.matmul_ops import segment_saved_ops
+from rewrite.compile_backend import uncached_backend
 from rewrite.loss_split import LossSplitStep, loss_tail
 from rewrite.segments import CheckpointedSegment, _enter_kept_node, _leave_kept_node, checkpointed_call
 
@@ -276,10 +277,11 @@ def _compiled(gm: torch.fx.GraphModule, backend: str, step: TrainingStep) -> tup
     """``gm`` under ``torch.compile``: as two graphs, split before its loss, where
     :func:`rewrite.loss_split.loss_tail` finds ops only the loss needs; and whether it split."""
     tail = loss_tail(gm, step)
+    compiler = uncached_backend(backend)  # a warm AOTAutograd cache can rebuild outputs wrongly
     if not tail:
-        return torch.compile(gm, backend=backend), False
+        return torch.compile(gm, backend=compiler), False
     log.debug("compiled step split before its loss: %d ops in the loss's graph", len(tail))
-    return LossSplitStep(gm, tail).compiled(backend), True
+    return LossSplitStep(gm, tail).compiled(compiler), True
 
 
 def compiled_step_peak_bytes(gm: torch.fx.GraphModule, inputs: StepInputs, step: TrainingStep = TrainingStep(), *,

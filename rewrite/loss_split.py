@@ -162,7 +162,7 @@ class LossSplitStep(torch.nn.Module):
             ("loss", None) if leaf is tail[-1] else source(leaf) if isinstance(leaf, torch.fx.Node)
             else ("constant", leaf) for leaf in tree_leaves(output.args)]
 
-    def compiled(self, backend: str) -> "LossSplitStep":
+    def compiled(self, backend: Any) -> "LossSplitStep":
         """This step with ``head`` and ``tail`` each under ``torch.compile(backend=backend)``, in place."""
         self.head = torch.compile(self.head, backend=backend)
         self.tail = torch.compile(self.tail, backend=backend)
