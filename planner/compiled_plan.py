@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,8 +52,8 @@ from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.planning_steps import PlanningSteps
 from rewrite.attach import attach_to_user_modules
-from rewrite.compiled import (COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_ms,
-                              compiled_step_peak_bytes)
+from rewrite.compiled import (COMPILED_STEP, CompiledStep, check_compile_available, compiled_step_peak_bytes,
+                              compiled_step_times_ms, paired_ratio)
 from rewrite.segments import apply_plan, module_copy
 
 __all__ = ["compile_backend_of", "compiled_and_measured", "plan_compiled"]
@@ -64,9 +65,9 @@ log = logging.getLogger(__name__)
 MAX_COMPILED_SOLVES = 5
 
 #: The search's compiled plan replaces the hand-placed one that fits only where its step measured
-#: faster by more than this share: a median of a few compiled steps moves by a few percent from
-#: run to run (docs/tuning.md#compiled_time_tolerance).
-COMPILED_TIME_TOLERANCE = 0.05
+#: faster by more than this share (the median of paired per-round ratios): two copies of one
+#: compiled step measure up to 1 % apart (docs/tuning.md#compiled_time_tolerance).
+COMPILED_TIME_TOLERANCE = 0.02
 
 
 def compile_backend_of(compile: bool | str, *, selective: bool = False, chunk_loss: bool = False,
@@ -110,12 +111,13 @@ def _compiled_fields(plan: Plan, run: CompiledStep | None) -> Plan:
 
 def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: list[PeakPair], room_bytes: int,
                      budget_bytes: int, compiled_unoptimized: int, measured: Callable[[Plan], tuple[Any, Plan, int]],
-                     step_ms: Callable[[list[Any]], list[float]]) -> tuple[Any, Plan] | None:
+                     step_times_ms: Callable[[list[Any]], list[list[float]]]) -> tuple[Any, Plan] | None:
     """``best`` (the search's plan that measured within the room, compiled), or a hand-placed plan
     (:func:`planner.compiled_aim.hand_plans_to_compile`) that measured within the room: the first
-    of them that fits is compiled beside it and the two steps timed (``step_ms``); the hand-placed
-    plan is taken unless the search's steps faster by more than :data:`COMPILED_TIME_TOLERANCE`,
-    so that timing noise does not swap the plan from run to run. Each measured plan's pair (with
+    of them that fits is compiled beside it and the two steps timed in interleaved rounds
+    (``step_times_ms``: each module's times, round by round); the hand-placed plan is taken
+    unless the search's steps faster by more than :data:`COMPILED_TIME_TOLERANCE` (the median
+    of the rounds' ratios), so that timing noise does not swap the plan from run to run. Each measured plan's pair (with
     the peak ``measured`` gives for aiming, its third value) is added to ``pairs``."""
     for _ in range(MAX_COMPILED_HAND_PLANS):
         # asked again after each plan measured over the room: that measurement moves the aim
@@ -135,10 +137,12 @@ def _with_hand_plans(best: tuple[Any, Plan] | None, graph: CostGraph, pairs: lis
             continue
         if best is None:
             return module, plan
-        search_ms, hand_ms = step_ms([best[0], module])
-        log.info("compiled steps: the search's plan (%d segments) %.1f ms, %s (%d segments) %.1f ms",
-                 len(best[1].segments), search_ms, plan.solver, len(plan.segments), hand_ms)
-        return best if search_ms < hand_ms * (1 - COMPILED_TIME_TOLERANCE) else (module, plan)
+        search_ms, hand_ms = step_times_ms([best[0], module])
+        ratio = paired_ratio(search_ms, hand_ms)
+        log.info("compiled steps: the search's plan (%d segments) %.1f ms, %s (%d segments) %.1f ms: %.3fx",
+                 len(best[1].segments), statistics.median(search_ms), plan.solver, len(plan.segments),
+                 statistics.median(hand_ms), ratio)
+        return best if ratio < 1 - COMPILED_TIME_TOLERANCE else (module, plan)
     return best
 
 
@@ -315,7 +319,7 @@ def plan_compiled(steps: PlanningSteps, gm: Any) -> tuple[Any, Plan, CostGraph |
     if best is None and floor_bytes is not None:
         best = _floor_variant(floor_bytes, solve_for, graph, compiled_before, measured, pairs, room_bytes)
     best = _with_hand_plans(best, graph, pairs, room_bytes, budget_bytes, compiled_unoptimized, measured,
-                            lambda modules: compiled_step_ms(modules, inputs, step))
+                            lambda modules: compiled_step_times_ms(modules, inputs, step))
     if best is None:
         lowest = min(measured_peaks)
         raise InfeasibleBudgetError(budget_bytes, lowest + planning.reserve_bytes, note=(

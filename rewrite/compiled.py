@@ -66,6 +66,8 @@ __all__ = [
     "compiled_runner",
     "compiled_step_peak_bytes",
     "compiled_step_ms",
+    "compiled_step_times_ms",
+    "paired_ratio",
     "COMPILED_TIMING_ROUNDS",
     "graph_break_count",
     "traceable_segments",
@@ -75,7 +77,7 @@ log = logging.getLogger(__name__)
 
 #: Interleaved rounds :func:`compiled_step_ms` times each compiled step in
 #: (docs/tuning.md#compiled_timing_rounds).
-COMPILED_TIMING_ROUNDS = 5
+COMPILED_TIMING_ROUNDS = 9
 
 #: ``gm.meta`` key of the :class:`CompiledStep` a graph module was compiled into.
 COMPILED_STEP = "checkpoint_planner_compiled_step"
@@ -306,13 +308,14 @@ def compiled_runner(gm: torch.fx.GraphModule, backend: str = COMPILE_BACKEND,
     return run.module
 
 
-def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs, step: TrainingStep = TrainingStep(),
-                     *, rounds: int = COMPILED_TIMING_ROUNDS) -> list[float]:
-    """The median milliseconds of each module's compiled training step (:func:`compiled_runner`),
-    timed in ``rounds`` interleaved rounds, each round starting at the next module (a step
-    inherits its predecessor's freed memory and cold caches). The modules share the user's
-    parameters and buffers: ``.grad``, buffers and RNG are restored after, as for one
-    measurement."""
+def compiled_step_times_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs,
+                           step: TrainingStep = TrainingStep(), *, rounds: int = COMPILED_TIMING_ROUNDS
+                           ) -> list[list[float]]:
+    """Each module's compiled training step (:func:`compiled_runner`) timed once per round, in
+    ``rounds`` interleaved rounds, each round starting at the next module (a step inherits its
+    predecessor's freed memory and cold caches): per module, its milliseconds round by round.
+    The modules share the user's parameters and buffers: ``.grad``, buffers and RNG are restored
+    after, as for one measurement."""
     runners = [compiled_runner(m, step=step) for m in modules]
     timer = step_timer(device_of(modules[0], inputs))
     params = list(modules[0].parameters())
@@ -326,4 +329,23 @@ def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs
                 times_ms[i].append(timer(lambda i=i: run_step(runners[i], inputs, step)))
         for p in params:
             p.grad = None
-    return [statistics.median(t) for t in times_ms]
+    return times_ms
+
+
+def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs, step: TrainingStep = TrainingStep(),
+                     *, rounds: int = COMPILED_TIMING_ROUNDS) -> list[float]:
+    """The median milliseconds of each module's compiled training step, timed as
+    :func:`compiled_step_times_ms` does."""
+    return [statistics.median(t) for t in compiled_step_times_ms(modules, inputs, step, rounds=rounds)]
+
+
+def paired_ratio(times_ms: Sequence[float], reference_ms: Sequence[float]) -> float:
+    """The median over rounds of one step's time over another's in the same round: a slow
+    phase of a shared machine slows both steps of a round alike, so the ratio moves less than
+    either time (docs/tuning.md#compiled_timing_rounds).
+
+    Example:
+        >>> paired_ratio([9.0, 18.0, 10.0], [10.0, 20.0, 10.0])   # a slow second round hit both
+        0.9
+    """
+    return statistics.median(t / r for t, r in zip(times_ms, reference_ms))

@@ -256,13 +256,13 @@ def _hand_choice(best_segments: int, peaks: dict[str, int], times_ms: tuple[floa
 
     timed: list[list[str]] = []
 
-    def step_ms(modules):
+    def step_times_ms(modules):
         timed.append(modules)
-        return list(times_ms)
+        return [[t] for t in times_ms]
 
     pairs = [PeakPair(simulate(graph).peak_bytes, 900)]
     best = None if best_segments == 0 else ("module of search", search)
-    chosen = _with_hand_plans(best, graph, pairs, room, room, 900, measured, step_ms)
+    chosen = _with_hand_plans(best, graph, pairs, room, room, 900, measured, step_times_ms)
     return measured_labels, timed, chosen
 
 
@@ -287,6 +287,14 @@ def test_within_the_timing_tolerance_the_hand_plan_is_taken():
     peaks = {"hand-placed: every 3rd layer": 790}
     faster_by_less = 10.0 * (1 - COMPILED_TIME_TOLERANCE / 2)
     assert _hand_choice(6, peaks, (faster_by_less, 10.0))[2][1].solver == "hand-placed: every 3rd layer"
+
+
+def test_the_search_plan_faster_by_more_than_the_tolerance_stays():
+    from planner.compiled_plan import COMPILED_TIME_TOLERANCE
+
+    peaks = {"hand-placed: every 3rd layer": 790}
+    faster_by_more = 10.0 * (1 - 1.5 * COMPILED_TIME_TOLERANCE)
+    assert _hand_choice(6, peaks, (faster_by_more, 10.0))[2][1].solver == "search"
 
 
 def test_with_no_search_plan_in_the_room_the_first_hand_plan_that_fits_is_taken_untimed():
