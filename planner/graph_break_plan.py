@@ -5,7 +5,8 @@ between graph breaks runs as it is and shows only as opaque tensor entries), sol
 :class:`CostGraph` with the same solvers and hand-placed candidates as the graph path
 (:func:`planner.pipeline.plan_for_budget`), and returns the model with the plan's op ranges
 checkpointed (:mod:`rewrite.graph_breaks`). Its step is measured: a plan measured above the
-budget is solved again holding the difference all step (up to ``MAX_TIGHTENINGS`` times).
+budget is solved again holding the difference all step (up to ``MAX_TIGHTENINGS`` times), and
+where no plan fits with it held, the smallest-peak plan is measured before the budget is refused.
 It needs torch; ``planner.pipeline`` imports it.
 
 Example:
@@ -119,6 +120,16 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
         try:
             plan = graph_break_plan(solved_on, budget_gb, options)
         except InfeasibleBudgetError as refusal:
+            if held_bytes:  # the budget's own plan measured over: the smallest-peak plan may still fit
+                floor = _smallest_peak_plan(graph, options)
+                if floor is not None:
+                    regions, peak_bytes = measured(floor)
+                    log.info("graph-break plan: the smallest-peak plan (predicted %.4f GiB) measured %.4f GiB "
+                             "against the %.4f GiB budget", floor.predicted_peak_bytes / GIB, peak_bytes / GIB,
+                             budget_gb)
+                    if peak_bytes <= room_bytes:
+                        return (dataclasses.replace(floor, budget_bytes=check_budget_gb(budget_gb),
+                                                    measured_peak_bytes=peak_bytes), regions, graph)
             fitted = _fitting_on_measurement(graph, budget_gb, options, refusal, measured, room_bytes)
             if isinstance(fitted, int):  # the smallest-peak plan measured above the floor the prediction named
                 raise InfeasibleBudgetError(refusal.budget_bytes, max(refusal.min_feasible_bytes, fitted),
@@ -140,6 +151,20 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
     raise InfeasibleBudgetError(check_budget_gb(budget_gb), peak_bytes + options.reserve_bytes,
                                 "the graph-break path's plans were measured above the budget",
                                 graph.measured_peak_bytes)
+
+
+def _smallest_peak_plan(graph: CostGraph, options: PlanOptions) -> Plan | None:
+    """The plan at the smallest budget the solver names for ``graph`` (None where it names none
+    that plans). A plan the budget's solve chose can measure well above its prediction; the
+    smallest-peak plan is the last one the budget may still hold."""
+    try:
+        graph_break_plan(graph, (options.reserve_bytes + 1) / GIB, options)
+    except InfeasibleBudgetError as refusal:
+        try:
+            return graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
+        except InfeasibleBudgetError:
+            return None
+    return None  # a step that fits one byte past the reserve has no smaller peak to find
 
 
 def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOptions, refusal: InfeasibleBudgetError,

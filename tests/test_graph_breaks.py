@@ -382,3 +382,33 @@ def test_an_op_stream_profile_is_kept_and_read_back_by_its_recorded_ops(tmp_path
     assert other.metadata["cache"] == "miss"
     assert other.metadata["fingerprint"] != first.cost_graph.metadata["fingerprint"]
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+@pytest.mark.slow
+def test_where_the_budgets_plan_measures_far_over_the_smallest_peak_plan_is_measured_before_refusing(
+        monkeypatch, tmp_path):
+    """The plan solved for the budget measures far above its prediction, so that no plan fits
+    once the overshoot is held; the smallest-peak plan, measured next, fits and is returned."""
+    import planner.graph_break_plan as gbp
+    from planner.core.options import PlanOptions
+
+    model, (x,) = build("item_branch", width=32, tokens=256, layers=2)
+    options = PlanOptions()
+    graph = profile_op_stream(model, (x,), timing_repeats=1, cache_dir=str(tmp_path))
+    floor = gbp._smallest_peak_plan(graph, options)
+    assert floor is not None and floor.segments
+    budget_gb = 1.3 * floor.budget_bytes / 2**30
+    measured: list[int] = []
+
+    def fake_peak_bytes(module, inputs, step=None):
+        predicted = module.plan.predicted_peak_bytes
+        measured.append(predicted)
+        return int(budget_gb * 2**30) + 2**30 if len(measured) == 1 else predicted
+
+    monkeypatch.setattr(gbp, "measure_step_peak_bytes", fake_peak_bytes)
+    plan, regions, _ = gbp._planned(model, StepInputs.from_example((x,)), budget_gb, options, 1, None,
+                                    str(tmp_path))
+    assert len(measured) == 2   # the budget's plan, then the smallest-peak plan
+    assert plan.predicted_peak_bytes == measured[1] == floor.predicted_peak_bytes
+    assert plan.measured_peak_bytes == floor.predicted_peak_bytes and plan.budget_bytes == int(budget_gb * 2**30)
+    assert regions == gbp.segment_regions(plan)
