@@ -65,7 +65,6 @@ __all__ = [
     "compile_step",
     "compiled_runner",
     "compiled_step_peak_bytes",
-    "compiled_step_ms",
     "compiled_step_times_ms",
     "paired_ratio",
     "COMPILED_TIMING_ROUNDS",
@@ -75,7 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Interleaved rounds :func:`compiled_step_ms` times each compiled step in
+#: Interleaved rounds :func:`compiled_step_times_ms` times each compiled step in
 #: (docs/tuning.md#compiled_timing_rounds).
 COMPILED_TIMING_ROUNDS = 9
 
@@ -330,13 +329,6 @@ def compiled_step_times_ms(modules: Sequence[torch.fx.GraphModule], inputs: Step
         for p in params:
             p.grad = None
     return times_ms
-
-
-def compiled_step_ms(modules: Sequence[torch.fx.GraphModule], inputs: StepInputs, step: TrainingStep = TrainingStep(),
-                     *, rounds: int = COMPILED_TIMING_ROUNDS) -> list[float]:
-    """The median milliseconds of each module's compiled training step, timed as
-    :func:`compiled_step_times_ms` does."""
-    return [statistics.median(t) for t in compiled_step_times_ms(modules, inputs, step, rounds=rounds)]
 
 
 def paired_ratio(times_ms: Sequence[float], reference_ms: Sequence[float]) -> float:
