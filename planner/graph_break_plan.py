@@ -153,6 +153,15 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
                                 graph.measured_peak_bytes)
 
 
+def _plan_at_floor(graph: CostGraph, floor_bytes: int, options: PlanOptions) -> Plan | None:
+    """``graph`` solved at the smallest budget a refusal named, ``floor_bytes`` (None where that
+    budget does not plan either): the smallest-peak plan."""
+    try:
+        return graph_break_plan(graph, floor_bytes / GIB, options)
+    except InfeasibleBudgetError:
+        return None
+
+
 def _smallest_peak_plan(graph: CostGraph, options: PlanOptions) -> Plan | None:
     """The plan at the smallest budget the solver names for ``graph`` (None where it names none
     that plans). A plan the budget's solve chose can measure well above its prediction; the
@@ -160,10 +169,7 @@ def _smallest_peak_plan(graph: CostGraph, options: PlanOptions) -> Plan | None:
     try:
         graph_break_plan(graph, (options.reserve_bytes + 1) / GIB, options)
     except InfeasibleBudgetError as refusal:
-        try:
-            return graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
-        except InfeasibleBudgetError:
-            return None
+        return _plan_at_floor(graph, refusal.min_feasible_bytes, options)
     return None  # a step that fits one byte past the reserve has no smaller peak to find
 
 
@@ -179,9 +185,8 @@ def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOpt
     if refusal.min_feasible_bytes > budget_bytes * (1 + MEASURED_FIT_TOLERANCE):
         # far below: nothing to try here, but the floor to name is the smallest-peak plan's
         # measured need where that is above its prediction, so that the budget named plans
-        try:
-            smallest_plan = graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options)
-        except InfeasibleBudgetError:
+        smallest_plan = _plan_at_floor(graph, refusal.min_feasible_bytes, options)
+        if smallest_plan is None:
             return None
         needs = measured(smallest_plan)[1] + options.reserve_bytes
         return needs if needs > refusal.min_feasible_bytes else None
@@ -194,13 +199,12 @@ def _fitting_on_measurement(graph: CostGraph, budget_gb: float, options: PlanOpt
                                    graph.step_ms, graph.forward_flops, f"hand-placed (measured): {hand.name}", 0.0,
                                    capture="graph-breaks", subgraphs=int(graph.metadata.get("subgraphs", 1)),
                                    measured_unoptimized_peak_bytes=graph.measured_peak_bytes))
-    smallest: Plan | None = None
-    try:
-        smallest = dataclasses.replace(graph_break_plan(graph, refusal.min_feasible_bytes / GIB, options),
-                                       budget_bytes=budget_bytes)
-        candidates.append(smallest)
-    except InfeasibleBudgetError:
+    smallest = _plan_at_floor(graph, refusal.min_feasible_bytes, options)
+    if smallest is None:
         log.debug("no plan at the solver's own smallest budget")
+    else:
+        smallest = dataclasses.replace(smallest, budget_bytes=budget_bytes)
+        candidates.append(smallest)
     # the smallest-peak plan is measured even when the hand plans fill the candidates
     measuring = candidates[:MAX_MEASURED_CANDIDATES - 1] + candidates[-1:] \
         if len(candidates) > MAX_MEASURED_CANDIDATES else candidates
