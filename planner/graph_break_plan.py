@@ -29,6 +29,7 @@ from planner.core.options import PlanOptions, check_budget_gb
 from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
 from planner.budget_plan import plan_for_budget
+from planner.graph_break_layers import cheaper_module_layers
 from planner.solvers.hand_policies import hand_placed_plans
 from profiling.graph_breaks import profile_op_stream
 from profiling.measure import StepInputs, TrainingStep, device_of, measure_step_peak_bytes
@@ -73,6 +74,9 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
     """Plan ``model`` over the ATen ops of its step for ``budget_gb`` and return the checkpointed
     module (:class:`rewrite.graph_breaks.BreakCheckpointedModule`) whose measured step peak is
     within the budget. Inputs of another shape are profiled and planned again on first use.
+    Where every k-th layer checkpointed as whole module calls is predicted cheaper than the op
+    ranges and measures within the budget, that module is returned instead
+    (:func:`planner.graph_break_layers.cheaper_module_layers`).
     ``cache_dir``: where op-stream profiles are kept (:func:`profiling.graph_breaks.profile_op_stream`;
     None: not kept).
 
@@ -85,27 +89,46 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
     if options.world_size != 1:
         raise InputError(f"the graph-break path plans one process: world_size must be 1, got {options.world_size}")
     inputs = StepInputs.from_example(example_inputs)
-    plan, regions, graph = _planned(model, inputs, budget_gb, options, timing_repeats, step, cache_dir)
+    room_bytes = check_budget_gb(budget_gb) - options.reserve_bytes
+    graph = _op_stream_profile(model, inputs, timing_repeats, step, cache_dir)
+    try:
+        plan, regions = _planned(model, inputs, graph, budget_gb, options, step)
+    except InfeasibleBudgetError:  # every k-th layer as module calls may still fit
+        layers = cheaper_module_layers(model, inputs, step, graph, check_budget_gb(budget_gb), room_bytes,
+                                       MEASURED_FIT_TOLERANCE)
+        if layers is None:
+            raise
+        return layers
+    layers = cheaper_module_layers(model, inputs, step, graph, check_budget_gb(budget_gb), room_bytes,
+                                   MEASURED_FIT_TOLERANCE, than=plan)
+    if layers is not None:  # whole layers as module calls: no op replayed in Python
+        return layers
 
     def replan(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _planned(model, StepInputs(tuple(args), dict(kwargs)), budget_gb, options, timing_repeats, step,
-                        cache_dir)
+        other = StepInputs(tuple(args), dict(kwargs))
+        other_graph = _op_stream_profile(model, other, timing_repeats, step, cache_dir)
+        return (*_planned(model, other, other_graph, budget_gb, options, step), other_graph)
 
     return BreakCheckpointedModule(model, plan, regions, cost_graph=graph,
                                    expected_ops=graph.metadata.get("op_names"),
                                    signature=input_signature(inputs.args, inputs.kwargs), replan=replan)
 
 
-def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, timing_repeats: int,
-             step: Any, cache_dir: str | None) -> tuple[Plan, tuple[tuple[int, int], ...], CostGraph]:
-    """The measured plan for ``inputs``: its op ranges and the profile it was solved on."""
+def _op_stream_profile(model: Any, inputs: Any, timing_repeats: int, step: Any, cache_dir: str | None) -> CostGraph:
+    """The op-stream profile of ``model``'s step on ``inputs``, with each op of a recomputed range
+    priced for its recording and replay in Python."""
     graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step, cache_dir=cache_dir)
-    # each op of a recomputed range is recorded and replayed in Python: a cost beyond its time
     graph = dataclasses.replace(graph, range_overhead_ms_per_node=measured_range_overhead_ms_per_op(
         device_of(model, inputs)))
     log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured, %.4f ms per op "
              "recorded in a checkpointed range", graph.metadata["model_ops"], graph.metadata["subgraphs"],
              (graph.measured_peak_bytes or 0) / GIB, graph.range_overhead_ms_per_node)
+    return graph
+
+
+def _planned(model: Any, inputs: Any, graph: CostGraph, budget_gb: float, options: PlanOptions,
+             step: Any) -> tuple[Plan, tuple[tuple[int, int], ...]]:
+    """The measured plan for ``inputs`` solved on their op-stream profile ``graph``, and its op ranges."""
     room_bytes = check_budget_gb(budget_gb) - options.reserve_bytes
     expected = graph.metadata.get("op_names")
 
@@ -129,7 +152,7 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
                              budget_gb)
                     if peak_bytes <= room_bytes:
                         return (dataclasses.replace(floor, budget_bytes=check_budget_gb(budget_gb),
-                                                    measured_peak_bytes=peak_bytes), regions, graph)
+                                                    measured_peak_bytes=peak_bytes), regions)
             fitted = _fitting_on_measurement(graph, budget_gb, options, refusal, measured, room_bytes)
             if isinstance(fitted, int):  # the smallest-peak plan measured above the floor the prediction named
                 raise InfeasibleBudgetError(refusal.budget_bytes, max(refusal.min_feasible_bytes, fitted),
@@ -137,12 +160,12 @@ def _planned(model: Any, inputs: Any, budget_gb: float, options: PlanOptions, ti
                                             refusal.unoptimized_peak_bytes) from None
             if fitted is None:
                 raise
-            return (*fitted, graph)
+            return fitted
         regions, peak_bytes = measured(plan)
         if peak_bytes <= room_bytes:
             log.info("graph-break plan: %d op ranges, measured peak %.4f GiB of %.4f GiB budget (predicted %.4f GiB)",
                      len(regions), peak_bytes / GIB, budget_gb, plan.predicted_peak_bytes / GIB)
-            return dataclasses.replace(plan, measured_peak_bytes=peak_bytes), regions, graph
+            return dataclasses.replace(plan, measured_peak_bytes=peak_bytes), regions
         over = max(peak_bytes - plan.predicted_peak_bytes, peak_bytes - room_bytes, 1)
         log.warning("graph-break plan measured %.4f GiB, above the %.4f GiB budget (predicted %.4f GiB): solving "
                     "again with %.1f MiB more held (%d of %d)", peak_bytes / GIB, budget_gb,

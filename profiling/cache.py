@@ -50,7 +50,7 @@ from profiling import profile
 from profiling.measure import StepInputs, TrainingStep
 
 __all__ = ["CACHE_VERSION", "AUTO_CACHE_DIR", "CACHE_DIR_ENV", "fingerprint", "machine_identity", "resolve_cache_dir",
-           "save_profile", "load_profile", "cached_profile_graph", "measurement_parts", "digest", "through_cache"]
+           "save_profile", "load_profile", "cached_profile_graph", "measurement_parts", "digest", "through_cache", "device_overheads_path"]
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +302,38 @@ def cached_profile_graph(
     folder = resolve_cache_dir(cache_dir)
     if folder is None:
         return profile.profile_graph(gm, example_inputs, **profile_kwargs)
+    if not profile_kwargs.get("fake", False):  # the device's checkpoint overheads, kept beside the profiles
+        profile_kwargs.setdefault("overheads_path", device_overheads_path(folder, _devices(gm, example_inputs)))
     key = fingerprint(gm, example_inputs, fake=bool(profile_kwargs.get("fake", False)),
                       target=str(profile_kwargs.get("target", "cpu")),
                       step=profile_kwargs.get("step", TrainingStep()))
     return through_cache(folder, key, lambda: profile.profile_graph(gm, example_inputs, **profile_kwargs))
+
+
+def device_overheads_path(folder: Path, devices: set[torch.device]) -> Path:
+    """The file under ``folder`` that keeps the checkpoint overheads measured on the machine and
+    devices of a step (:func:`profiling.device_overheads.device_overheads_ms`): one per torch
+    version and :func:`machine_identity` (processor and thread count, or the GPUs), in the
+    ``machines`` subfolder, apart from the profiles.
+
+    Example:
+        >>> cpu = {torch.device("cpu")}
+        >>> device_overheads_path(Path("/tmp/p"), cpu) == device_overheads_path(Path("/tmp/p"), cpu)
+        True
+        >>> device_overheads_path(Path("/tmp/p"), cpu).parent
+        PosixPath('/tmp/p/machines')
+    """
+    name = digest([f"torch={torch.__version__}", f"machine={machine_identity(devices)}"])[:16]
+    return folder / "machines" / f"device-overheads-{name}.json"
+
+
+def _devices(gm: torch.fx.GraphModule, example_inputs: Any) -> set[torch.device]:
+    """The devices of ``gm``'s parameters and buffers and of the example inputs (CPU where none)."""
+    from torch.utils._pytree import tree_leaves
+
+    inputs = StepInputs.from_example(example_inputs)
+    tensors = [*gm.parameters(), *gm.buffers(), *tree_leaves((inputs.args, inputs.kwargs))]
+    return {t.device for t in tensors if isinstance(t, torch.Tensor)} or {torch.device("cpu")}
 
 
 def through_cache(folder: Path, key: str, make: Callable[[], CostGraph]) -> CostGraph:

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import statistics
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -36,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from planner.core.costgraph import CostGraph, CostNode
 from profiling.cost_nodes import StorageTable, cost_nodes
 from profiling.criterion import criterion_inputs, criterion_name, criterion_node, expanded_gradient_inputs, run_criterion
-from profiling.device_overheads import device_overheads_ms
+from profiling.device_overheads import DeviceOverheads, device_overheads_ms
 from profiling.fake_mode import fake_converter, roofline_times, target_kernels, target_storages
 from profiling.interpreter import ProfilingInterpreter, step_timer, tensors_of
 from profiling.measure import (
@@ -147,6 +148,7 @@ def profile_graph(
     progress: bool = False,
     step: TrainingStep = TrainingStep(),
     node_peaks: NodePeaks | None = None,
+    overheads_path: Path | None = None,
 ) -> CostGraph:
     """Profile one forward plus backward of ``gm`` on ``example_inputs``, as ``step`` runs it:
     the loss ``step`` takes (a criterion outside the graph becomes one node of the profile,
@@ -181,6 +183,9 @@ def profile_graph(
     ``node_peaks``: the per-node peaks of this graph's step, measured already on CPU
     (:func:`measure_unoptimized_step`); the profile then runs no memory pass of its own, and
     its ``measured_peak_bytes`` is theirs.
+
+    ``overheads_path``: the file that keeps the device's checkpoint overheads from one process to
+    the next (:func:`profiling.device_overheads.device_overheads_ms`; the profile cache names it).
 
     Progress goes to the ``profiling.progress`` logger at INFO (every tenth of the nodes and
     each phase); ``progress=True`` draws a tqdm bar instead when tqdm is installed.
@@ -272,6 +277,7 @@ def profile_graph(
             measured_peak_bytes = (peaks.step_peak_bytes if peaks.step_peak_bytes is not None
                                    else measure_step_peak_bytes(gm, inputs, step))
         nodes = _with_measurements(nodes, signatures, node_times, peaks)
+    overheads = DeviceOverheads(0.0, 0.0) if fake else device_overheads_ms(device, overheads_path)
     graph = CostGraph(
         nodes=nodes,
         storages=target_storages(table.storages, target) if fake else tuple(table.storages),
@@ -279,8 +285,8 @@ def profile_graph(
         loss_names=loss_names,
         step_ms=step_ms,
         segment_overhead_bytes=_rng_state_bytes(device),
-        selective_overhead_ms_per_node=0.0 if fake else device_overheads_ms(device).selective_ms_per_node,
-        segment_overhead_ms=0.0 if fake else device_overheads_ms(device).segment_ms,
+        selective_overhead_ms_per_node=overheads.selective_ms_per_node,
+        segment_overhead_ms=overheads.segment_ms,
         measured_peak_bytes=measured_peak_bytes,
         output_held=step.output_held,
         metadata={"device": str(device), "mode": "fake" if fake else "measured", "target": target,

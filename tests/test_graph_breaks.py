@@ -406,9 +406,78 @@ def test_where_the_budgets_plan_measures_far_over_the_smallest_peak_plan_is_meas
         return int(budget_gb * 2**30) + 2**30 if len(measured) == 1 else predicted
 
     monkeypatch.setattr(gbp, "measure_step_peak_bytes", fake_peak_bytes)
-    plan, regions, _ = gbp._planned(model, StepInputs.from_example((x,)), budget_gb, options, 1, None,
-                                    str(tmp_path))
+    plan, regions = gbp._planned(model, StepInputs.from_example((x,)), graph, budget_gb, options, None)
     assert len(measured) == 2   # the budget's plan, then the smallest-peak plan
     assert plan.predicted_peak_bytes == measured[1] == floor.predicted_peak_bytes
     assert plan.measured_peak_bytes == floor.predicted_peak_bytes and plan.budget_bytes == int(budget_gb * 2**30)
     assert regions == gbp.segment_regions(plan)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 4 * width)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.drop(self.fc2(torch.tanh(self.fc1(self.ln(h)))))
+
+
+class _LayersWithABreak(torch.nn.Module):
+    """Layers as the children of one module list, and an ``.item()`` branch between them."""
+
+    def __init__(self, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            if x.abs().max().item() > 1e6:
+                x = x * 0.5
+        return x
+
+
+def _layers_and_budgets() -> tuple[torch.nn.Module, torch.Tensor, float, float]:
+    """The model, its input, a budget a little above every layer checkpointed as a module call,
+    and 80 % of the unoptimized step's peak (GiB)."""
+    from rewrite.module_checkpoint import ModuleCheckpointedModule
+
+    torch.manual_seed(0)
+    model, x = _LayersWithABreak().train(), torch.randn(8, 256, 32)
+    inputs = StepInputs.from_example((x,))
+    every_layer = ModuleCheckpointedModule(model, None, tuple(f"layers.{i}" for i in range(4)))
+    return (model, x, 1.1 * measure_step_peak_bytes(every_layer, inputs) / 2**30,
+            0.8 * measure_step_peak_bytes(model, inputs) / 2**30)
+
+
+@pytest.mark.parametrize("case", ["op ranges dearer", "op ranges refused", "op ranges cheaper"])
+def test_whole_layers_run_as_module_calls_where_the_op_ranges_cost_more_or_find_no_plan(monkeypatch, case):
+    """Where each recorded op of a range costs much (here 1 ms, set), every layer checkpointed
+    as a module call is predicted cheaper than the op ranges, measured within the budget and
+    returned, bit for bit; so it is where the op ranges find no plan for the budget (here made
+    to refuse). Where recording costs nothing, the solved op ranges are never dearer than every
+    layer, and they are returned."""
+    import planner.graph_break_plan as graph_break_plan
+    from planner.core.errors import InfeasibleBudgetError
+
+    monkeypatch.setattr(graph_break_plan, "measured_range_overhead_ms_per_op",
+                        lambda device: 1.0 if case == "op ranges dearer" else 0.0)
+    if case == "op ranges refused":
+        def refused(model, inputs, graph, budget_gb, options, step):
+            raise InfeasibleBudgetError(int(budget_gb * 2**30), 2**40)
+
+        monkeypatch.setattr(graph_break_plan, "_planned", refused)
+    model, x, above_every_layer_gb, most_gb = _layers_and_budgets()
+    budget_gb = most_gb if case == "op ranges cheaper" else above_every_layer_gb
+    opt = plan_graph_breaks(model, (x,), budget_gb, timing_repeats=1)
+    assert opt.plan.measured_peak_bytes <= budget_gb * 2**30
+    params = list(model.parameters())
+    assert _same(_step(model, params, x), _step(opt, params, x))
+    if case == "op ranges cheaper":
+        assert isinstance(opt, BreakCheckpointedModule) and opt.plan.capture == "graph-breaks"
+    else:
+        assert opt.plan.solver == "hand-placed (module calls): every layer" and opt.plan.capture == "modules"
+        assert opt.checkpointed == tuple(f"layers.{i}" for i in range(4))

@@ -121,3 +121,33 @@ def test_fingerprint_names_the_autocast_mode():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fingerprint(gm, example) != key  # the profile's dtypes, and bytes, follow autocast
     assert fingerprint(gm, example) == key
+
+
+def test_a_later_process_charges_the_overheads_kept_beside_the_profiles(tmp_path, monkeypatch):
+    """The device's checkpoint overheads are measured by the machine's first profile and kept in
+    the cache folder: a new process (here: the in-process figures forgotten, and measuring made
+    to fail) profiles another model with the stored figures and measures nothing."""
+    import json
+
+    import profiling.device_overheads as overheads
+    from profiling.cache import cached_profile_graph
+
+    first_model, first_example = models.residual_mlp(batch=64)
+    first = cached_profile_graph(trace_module(first_model, first_example), first_example, tmp_path, timing_repeats=1)
+    [stored] = tmp_path.glob("machines/device-overheads-*.json")
+    kept = json.loads(stored.read_text())
+    assert (first.segment_overhead_ms, first.selective_overhead_ms_per_node) == \
+        (kept["segment_ms"], kept["selective_ms_per_node"])
+
+    stored.write_text(json.dumps({"segment_ms": 0.125, "selective_ms_per_node": 0.0625}))
+    overheads._measured_overheads.cache_clear()
+
+    def no_measuring(*args: Any, **kwargs: Any) -> float:
+        raise AssertionError("the overheads were measured again")
+
+    monkeypatch.setattr(overheads, "segment_overhead_ms", no_measuring)
+    monkeypatch.setattr(overheads, "selective_overhead_ms_per_node", no_measuring)
+    model, example = models.residual_mlp(batch=32)
+    again = cached_profile_graph(trace_module(model, example), example, tmp_path, timing_repeats=1)
+    assert again.metadata["cache"] == "miss"
+    assert (again.segment_overhead_ms, again.selective_overhead_ms_per_node) == (0.125, 0.0625)

@@ -40,7 +40,8 @@ from planner.solvers.stage_plans import to_plan
 
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
            "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE", "timing_spread",
-           "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "HAND_PLACED"]
+           "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "HAND_PLACED", "module_list_blocks",
+           "recomputable_runs"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
@@ -78,17 +79,30 @@ def _outer_block(module: str) -> tuple[str, int] | None:
     return None
 
 
-def _module_path_stacks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
+def module_list_blocks(graph: CostGraph) -> list[list[tuple[str, tuple[str, ...]]]]:
     """Each module list (``transformer.h``, ``encoder.block``, ``blocks``) with two or more
-    indexed children, as a stack of its children's compute nodes in graph order; stacks in the
-    order their first node runs, a node inside a nested list (``layers.0.experts.1``) in its
-    outermost block."""
+    indexed children, as its children in index order: each child's module path and its compute
+    nodes in graph order; lists in the order their first node runs, a node inside a nested list
+    (``layers.0.experts.1``) in its outermost block.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode
+        >>> g = CostGraph(tuple(CostNode(f"n{i}", "aten.relu.default", module=f"h.{i // 2}.mlp") for i in range(4)), ())
+        >>> module_list_blocks(g)
+        [[('h.0', ('n0', 'n1')), ('h.1', ('n2', 'n3'))]]
+    """
     stacks: dict[str, dict[int, list[str]]] = {}
     for node in graph.compute_nodes:
         found = _outer_block(node.module)
         if found is not None:
             stacks.setdefault(found[0], {}).setdefault(found[1], []).append(node.name)
-    return [[tuple(blocks[i]) for i in sorted(blocks)] for blocks in stacks.values() if len(blocks) >= 2]
+    return [[(f"{path}.{i}", tuple(blocks[i])) for i in sorted(blocks)]
+            for path, blocks in stacks.items() if len(blocks) >= 2]
+
+
+def _module_path_stacks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
+    """:func:`module_list_blocks` without the paths: each stack as its blocks' compute nodes."""
+    return [[names for _, names in stack] for stack in module_list_blocks(graph)]
 
 
 def repeated_blocks(graph: CostGraph) -> list[list[tuple[str, ...]]]:
@@ -136,10 +150,17 @@ def block_decompositions(graph: CostGraph) -> list[tuple[str, list[list[tuple[st
     return list(found.values())[:MAX_BLOCK_DECOMPOSITIONS]
 
 
-def _recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list[list[tuple[str, ...]]]:
+def recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list[list[tuple[str, ...]]]:
     """Each block's recomputable nodes as maximal runs that are contiguous in the graph's compute
     order (a segment must be one): a node outside the block or one that must run once ends a
-    run. One pass over the graph for all blocks."""
+    run. One pass over the graph for all blocks.
+
+    Example:
+        >>> from planner.core.costgraph import CostGraph, CostNode
+        >>> g = CostGraph(tuple(CostNode(f"n{i}", "aten.relu.default", recomputable=i != 1) for i in range(4)), ())
+        >>> recomputable_runs(g, [("n0", "n1", "n2"), ("n3",)])
+        [[('n0',), ('n2',)], [('n3',)]]
+    """
     owner = {name: index for index, block in enumerate(blocks) for name in block}
     runs: list[list[tuple[str, ...]]] = [[] for _ in blocks]
     current: list[str] = []
@@ -165,7 +186,7 @@ def _every_kth_plans(graph: CostGraph, stacks: list[list[tuple[str, ...]]], max_
                      label: str) -> list[HandPlan]:
     """:func:`hand_placed_plans` on one decomposition ``stacks``, each name ending in ``label``."""
     runs_of = dict(zip((id(block) for stack in stacks for block in stack),
-                       _recomputable_runs(graph, [block for stack in stacks for block in stack])))
+                       recomputable_runs(graph, [block for stack in stacks for block in stack])))
     plain: dict[tuple[str, ...], Segment] = {}
     matmul: dict[tuple[str, ...], Segment] = {}
     for run in (run for block_runs in runs_of.values() for run in block_runs):
