@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 from planner.core.costgraph import CostGraph
 from planner.core.plan import GIB, Plan
 from planner.core.simulate import simulate
-from planner.solvers.hand_policies import EVERY_KTH_LAYER_MAX_K, module_list_blocks, recomputable_runs, repeated_blocks
+from planner.solvers.hand_policies import (EVERY_KTH_LAYER_MAX_K, every_kth_layer_name, module_list_blocks,
+                                           recomputable_runs, repeated_blocks)
 from planner.solvers.keep import segment_with_kept
 from profiling.measure import measure_step_peak_bytes
 from rewrite.module_checkpoint import ModuleCheckpointedModule
@@ -53,10 +54,6 @@ class ModuleLayers(NamedTuple):
 
     plan: Plan
     paths: tuple[str, ...]
-
-
-def _ordinal(k: int) -> str:
-    return {1: "", 2: "2nd ", 3: "3rd "}.get(k, f"{k}th ")
 
 
 def module_layer_plans(graph: CostGraph, budget_bytes: int) -> list[ModuleLayers]:
@@ -83,7 +80,7 @@ def module_layer_plans(graph: CostGraph, budget_bytes: int) -> list[ModuleLayers
         segments = tuple(segment_with_kept(plain, run) for path in paths for run in runs_of[path])
         plans.append(ModuleLayers(Plan(
             budget_bytes, simulate(plain, segments).peak_bytes, unoptimized_bytes, segments, plain.forward_ms,
-            plain.step_ms, plain.forward_flops, f"hand-placed (module calls): every {_ordinal(k)}layer", 0.0,
+            plain.step_ms, plain.forward_flops, f"hand-placed (module calls): {every_kth_layer_name(k)}", 0.0,
             measured_unoptimized_peak_bytes=plain.measured_peak_bytes, capture="modules"), paths))
     return plans
 

@@ -85,22 +85,21 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
             budget that does.
     """
     step = step if step is not None else TrainingStep()
-    check_budget_gb(budget_gb)
+    budget_bytes = check_budget_gb(budget_gb)
     if options.world_size != 1:
         raise InputError(f"the graph-break path plans one process: world_size must be 1, got {options.world_size}")
     inputs = StepInputs.from_example(example_inputs)
-    room_bytes = check_budget_gb(budget_gb) - options.reserve_bytes
+    room_bytes = budget_bytes - options.reserve_bytes
     graph = _op_stream_profile(model, inputs, timing_repeats, step, cache_dir)
     try:
         plan, regions = _planned(model, inputs, graph, budget_gb, options, step)
     except InfeasibleBudgetError:  # every k-th layer as module calls may still fit
-        layers = cheaper_module_layers(model, inputs, step, graph, check_budget_gb(budget_gb), room_bytes,
-                                       MEASURED_FIT_TOLERANCE)
+        layers = cheaper_module_layers(model, inputs, step, graph, budget_bytes, room_bytes, MEASURED_FIT_TOLERANCE)
         if layers is None:
             raise
         return layers
-    layers = cheaper_module_layers(model, inputs, step, graph, check_budget_gb(budget_gb), room_bytes,
-                                   MEASURED_FIT_TOLERANCE, than=plan)
+    layers = cheaper_module_layers(model, inputs, step, graph, budget_bytes, room_bytes, MEASURED_FIT_TOLERANCE,
+                                   than=plan)
     if layers is not None:  # whole layers as module calls: no op replayed in Python
         return layers
 

@@ -41,7 +41,7 @@ from planner.solvers.stage_plans import to_plan
 __all__ = ["HandPlan", "repeated_blocks", "block_decompositions", "hand_placed_plans", "hand_placed_candidate",
            "cheaper_hand_plans", "hand_placed_within_noise", "HAND_PLAN_TIME_TOLERANCE", "timing_spread",
            "EVERY_KTH_LAYER_MAX_K", "MAX_BLOCK_DECOMPOSITIONS", "HAND_PLACED", "module_list_blocks",
-           "recomputable_runs"]
+           "recomputable_runs", "every_kth_layer_name"]
 
 log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs as planner.solvers.solve
 
@@ -178,8 +178,14 @@ def recomputable_runs(graph: CostGraph, blocks: Sequence[Sequence[str]]) -> list
     return runs
 
 
-def _ordinal(k: int) -> str:
-    return {1: "", 2: "2nd ", 3: "3rd "}.get(k, f"{k}th ")
+def every_kth_layer_name(k: int) -> str:
+    """What a person calls checkpointing every ``k``-th layer.
+
+    Example:
+        >>> [every_kth_layer_name(k) for k in (1, 2, 4)]
+        ['every layer', 'every 2nd layer', 'every 4th layer']
+    """
+    return f"every {({1: '', 2: '2nd ', 3: '3rd '}.get(k, f'{k}th '))}layer"
 
 
 def _every_kth_plans(graph: CostGraph, stacks: list[list[tuple[str, ...]]], max_k: int,
@@ -199,7 +205,7 @@ def _every_kth_plans(graph: CostGraph, stacks: list[list[tuple[str, ...]]], max_
                 for index, block in enumerate(stack) if index % k == 0 for run in runs_of[id(block)]]
         if not runs:
             continue
-        name = f"every {_ordinal(k)}layer{label}"
+        name = f"{every_kth_layer_name(k)}{label}"
         plans.append(HandPlan(name, tuple(plain[run] for run in runs)))
         if any(matmul[run].kept_nodes for run in runs):
             plans.append(HandPlan(f"{name}, matmul outputs kept", tuple(matmul[run] for run in runs)))
