@@ -19,7 +19,10 @@ memory check, and partial choices with the same held groups are compared like la
 labels past the segment carry which options they kept.
 
 The labels are numpy arrays per (stage, held groups). Every label no other dominates is kept,
-so the result is the account's optimum. Their number is what the search costs
+of labels within :data:`planner.solvers.chain_labels.STORED_RESOLUTION_MIB` of each other in
+stored MiB the cheapest, so the result is the account's optimum to within that much memory a
+label kept over one it dropped: a plan found fits, and the plan it may miss fits only a budget a
+few KiB smaller (docs/tuning.md#stored_resolution_mib). Their number is what the search costs
 (docs/tuning.md#default_max_labels has it on the largest models the default solve builds);
 past ``max_labels`` it stops with :class:`ChainSearchTooLarge`. The room a
 label needs for each segment from a stage comes from :mod:`planner.solvers.chain_rooms`, for all
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -57,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.core.errors import PlannerError
-from planner.solvers.chain_labels import Inbox, pruned as _pruned
+from planner.solvers.chain_labels import Inbox, LabelWindow, pruned as _pruned
 from planner.solvers.chain_rooms import SegmentRooms
 from planner.solvers.stage_model import StageModel, holder_groups
 
@@ -265,15 +269,24 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                 raise ChainSearchTooLarge(f"more than {max_labels} partial keep choices in segment ({first}, {last})")
         return states
 
-    incoming: list[dict[frozenset[int], Inbox]] = [defaultdict(Inbox) for _ in range(stage_count + 1)]
+    # the groups that still tell labels apart after each stage: a holder or a forward-live use later
+    reaching_past = [frozenset(g for g, last in enumerate(groups.last_stage) if last > j) for j in range(stage_count)]
+    # the segments from each stage, in the order chain_rooms gives their ends: cost and code
+    segment_costs = {j: [model.run_ms[(j, b)] + 1e-3 * total_ms for b in sorted(ends)] for j, ends in segment_ends.items()}
+    segment_codes = {j: [segment_code[(j, b)] for b in sorted(ends)] for j, ends in segment_ends.items()}
+    window = LabelWindow([max(segment_ends.get(j, ()), default=j) + 1 for j in range(stage_count)])
+    new_inbox = functools.partial(Inbox, window)
+    incoming: list[dict[frozenset[int], Inbox]] = [defaultdict(new_inbox) for _ in range(stage_count + 1)]
     incoming[0][frozenset()].add(np.zeros(1), np.zeros(1), np.array([-1], dtype=np.int64), -1)
     final_costs: list[tuple[_Block, np.ndarray]] = []
     blocks: list[_Block] = []
     block_starts: list[int] = []
     next_id = 0
     for j in range(stage_count + 1):
-        for held, inbox in incoming[j].items():
-            stored, cost, parent, segment, keeps = inbox.front(selective)
+        # every front of the stage before its labels join the window: they arrive only later
+        fronts = [(held, inbox.front(selective, j)) for held, inbox in incoming[j].items()]
+        incoming[j] = {}  # done with: free the chunks
+        for held, (stored, cost, parent, segment, keeps) in fronts:
             block = _Block(next_id, parent, segment.astype(np.int32), keeps if selective else None)
             blocks.append(block)
             block_starts.append(next_id)
@@ -283,7 +296,7 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
             if j == stage_count:
                 final_costs.append((block, cost))
                 continue
-            ids = np.arange(block.first_id, block.first_id + len(stored), dtype=np.int64)
+            window.append(j, block.first_id, stored, cost)
             # stage j not recomputed: the groups it saves are held from here
             added = [g for g in groups.by_saver.get(j, ()) if g not in held]
             now_held = held.union(added)
@@ -291,18 +304,17 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
             room = min(room_forward[j] + crossing(now_held, j), room_backward[j]) - added_mib
             fits = int(np.searchsorted(stored, room, side="right"))
             if fits:
-                still = frozenset(g for g in now_held if groups.last_stage[g] > j)
-                incoming[j + 1][still].add(stored[:fits] + added_mib, cost[:fits], ids[:fits], -1)
+                still = now_held & reaching_past[j]
+                incoming[j + 1][still].defer(block.first_id, fits, added_mib, 0.0, -1)
             # a segment from j to b: its inputs are held from here, its stages save nothing
             if j in segment_ends and not any(has_options[j:max(segment_ends[j]) + 1]):
                 ends, rooms, added_mibs, inputs = segment_rooms.rooms(j, held)
+                added_list, costs, codes = added_mibs.tolist(), segment_costs[j], segment_codes[j]
                 for r, fits in enumerate(np.searchsorted(stored, rooms, side="right").tolist()):
                     if fits:
                         b = ends[r]
-                        still = frozenset(g for g in held.union(inputs[r]) if groups.last_stage[g] > b)
-                        incoming[b + 1][still].add(stored[:fits] + added_mibs[r],
-                                                   cost[:fits] + (model.run_ms[(j, b)] + 1e-3 * total_ms),
-                                                   ids[:fits], segment_code[(j, b)])
+                        still = held.union(inputs[r]) & reaching_past[b]
+                        incoming[b + 1][still].defer(block.first_id, fits, added_list[r], costs[r], codes[r])
                 continue
             for b in segment_ends.get(j, ()):
                 added = [g for g in groups.by_segment.get((j, b), ()) if g not in held]
@@ -314,14 +326,14 @@ def cheapest_plan(model: StageModel, budget_mib: float, max_labels: int = DEFAUL
                     room = min(room_in_segment(now_held, j, i) for i in range(j, b + 1)) - added_mib
                     fits = int(np.searchsorted(stored, room, side="right"))
                     if fits:
-                        still = frozenset(g for g in now_held if groups.last_stage[g] > b)
-                        incoming[b + 1][still].add(stored[:fits] + added_mib, cost[:fits] + run_ms, ids[:fits], code)
+                        still = now_held & reaching_past[b]
+                        incoming[b + 1][still].defer(block.first_id, fits, added_mib, run_ms, code)
                     continue
+                ids = np.arange(block.first_id, block.first_id + len(stored), dtype=np.int64)
                 for after_held, (st, co, pa, kc) in kept_in_segment(now_held, stored + added_mib, cost + run_ms, ids,
                                                                     j, b).items():
-                    still = frozenset(g for g in after_held if groups.last_stage[g] > b)
+                    still = after_held & reaching_past[b]
                     incoming[b + 1][still].add(st, co, pa, code, kc)
-        incoming[j] = {}  # done with: free the chunks
     log.debug("chain DP on %d stages, %d segments: %d labels", stage_count, len(segment_list), next_id)
     plan = _backtrack(blocks, block_starts, final_costs, segment_list, keep_codes)
     return None if plan is None else dataclasses.replace(plan, labels=next_id)
