@@ -80,3 +80,29 @@ def test_segment_rooms_are_the_per_stage_sums(seed):
                 assert got_added[r] == pytest.approx(added_mib, abs=1e-9)
                 assert got_room[r] == pytest.approx(room, abs=1e-9)
                 assert got_inputs[r] == frozenset(groups.by_segment.get((j, b), ()))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_deferred_arrivals_give_the_front_added_chunks_give(seed):
+    """Labels deferred as (first id, count, added MiB, added cost, segment) of a window's fronts,
+    built when the front is asked for, make the front that adding the same shifted prefixes as
+    arrays makes, parents and segment codes included."""
+    rng = np.random.default_rng(seed)
+    stage_count = 6
+    window = chain_labels.LabelWindow([stage_count] * stage_count)
+    fronts, next_id = [], 0
+    for stage in range(stage_count - 1):
+        n = int(rng.integers(1, 300))
+        stored, cost = pruned(np.sort(rng.random(n) * 50), np.sort(rng.random(n) * 20)[::-1].copy())
+        window.append(stage, next_id, stored, cost)
+        fronts.append((next_id, stored, cost))
+        next_id += len(stored)
+    deferred, added = Inbox(window), Inbox()
+    for code in range(int(rng.integers(1, 60))):
+        first_id, stored, cost = fronts[int(rng.integers(len(fronts)))]
+        count = int(rng.integers(1, len(stored) + 1))
+        mib, ms = float(rng.random() * 5), float(rng.random() * 3)
+        deferred.defer(first_id, count, mib, ms, code)
+        added.add(stored[:count] + mib, cost[:count] + ms, np.arange(first_id, first_id + count), code)
+    for got, want in zip(deferred.front(False, stage_count), added.front(False)):
+        assert got.tolist() == want.tolist()
