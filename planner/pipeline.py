@@ -130,7 +130,7 @@ def optimize(
             until it proves the plan the cheapest over the stages or finds a cheaper one
             (:mod:`planner.solvers.relaxation`). None (default): on graphs of fewer than 64 compute
             nodes, where it is fast, and on graphs under 512 where the ILP's plan leaves more
-            than 1 % of the budget unused (up to 30 s, and up to 5 s once a plan is in hand; docs/tuning.md#exact_by_default_below);
+            than 1 % of the budget unused (up to 30 s, and up to 2.5 s once a plan is in hand; docs/tuning.md#exact_by_default_below);
             True: always, slower where the ILP's plan fills the budget and rarely cheaper there (docs/benchmarks/exact_search.md).
         max_solve_s: stop improving the plan after this many seconds of solving and return the
             cheapest found by then (``plan.hit_time_limit`` says it was cut). The first ILP, and

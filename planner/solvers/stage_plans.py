@@ -37,7 +37,7 @@ log = logging.getLogger("planner.solvers.solve")  # every module of a solve logs
 #: the solver name of plans found by :func:`_solve_chain`
 CHAIN_DP = "chain DP"
 #: Fractions above the budget the chain DP's target is raised to (docs/tuning.md#loosen_steps).
-LOOSEN_STEPS = (0.01, 0.02, 0.03, 0.05, 0.08)
+LOOSEN_STEPS = (0.01, 0.02, 0.03, 0.05, 0.08, 0.13, 0.21, 0.34, 0.55)
 #: Most candidate segments a model may have for raised targets (docs/tuning.md#loosen_max_candidates).
 LOOSEN_MAX_CANDIDATES = 1500
 #: Bisection steps after the first raised target that goes over (docs/tuning.md#loosen_bisect_steps).

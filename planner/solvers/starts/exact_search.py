@@ -34,7 +34,7 @@ EXACT_BY_DEFAULT_BELOW = 512
 EXACT_WHEN_UNUSED = 0.01
 #: Seconds the default search may take when a plan is already in hand, so that it can only
 #: make that plan cheaper or prove it the cheapest (docs/tuning.md#exact_improve_s).
-EXACT_IMPROVE_S = 5.0
+EXACT_IMPROVE_S = 2.5
 
 
 @dataclass(frozen=True)
