@@ -63,7 +63,7 @@ def module_layer_plans(graph: CostGraph, budget_bytes: int) -> list[ModuleLayers
     ``graph.range_overhead_ms_per_node``; the peak is the simulator's. Plans that checkpoint the
     same children appear once. Lists run as one loop body (``ln[i]``, ``enc[i]``, ``proj[i]``)
     are left out: their layer is no one submodule, so no module call checkpoints it."""
-    plain = dataclasses.replace(graph, range_overhead_ms_per_node=0.0)
+    plain = dataclasses.replace(graph, range_overhead_ms_per_node=0.0, range_end_saves_held=False)
     layers = {tuple(stack) for stack in repeated_blocks(plain)}
     stacks = [stack for stack in module_list_blocks(plain) if tuple(names for _, names in stack) in layers]
     blocks = [block for stack in stacks for block in stack]

@@ -118,7 +118,7 @@ def _op_stream_profile(model: Any, inputs: Any, timing_repeats: int, step: Any, 
     priced for its recording and replay in Python."""
     graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step, cache_dir=cache_dir)
     graph = dataclasses.replace(graph, range_overhead_ms_per_node=measured_range_overhead_ms_per_op(
-        device_of(model, inputs)))
+        device_of(model, inputs)), range_end_saves_held=True)
     log.info("graph-break profile: %d ops in %d subgraphs, unoptimized peak %.4f GiB measured, %.4f ms per op "
              "recorded in a checkpointed range", graph.metadata["model_ops"], graph.metadata["subgraphs"],
              (graph.measured_peak_bytes or 0) / GIB, graph.range_overhead_ms_per_node)

@@ -481,3 +481,36 @@ def test_whole_layers_run_as_module_calls_where_the_op_ranges_cost_more_or_find_
     else:
         assert opt.plan.solver == "hand-placed (module calls): every layer" and opt.plan.capture == "modules"
         assert opt.checkpointed == tuple(f"layers.{i}" for i in range(4))
+
+
+def test_a_range_ending_on_an_op_that_saves_its_output_is_predicted_with_that_save_held():
+    """What is saved after a range's last op stays a tensor (the next op's saved input cannot be
+    told from it): a range ending on a ReLU keeps the ReLU's output to its backward, which the
+    prediction counts (``range_end_saves_held``) and the measured step shows."""
+    import dataclasses
+
+    from planner.core.plan import Plan, Segment
+    from planner.core.simulate import simulate
+    from rewrite.graph_breaks import segment_regions
+
+    torch.manual_seed(0)
+    # the dropout after each ReLU saves its mask, not the ReLU's output: only the ReLU saves that
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(1024, 256))
+    x = torch.randn(512, 256)
+    graph = profile_op_stream(model, (x,), timing_repeats=1)
+    names = [n.name for n in graph.nodes if n.kind == "compute"]
+    first = next(i for i, name in enumerate(names) if name.endswith("_addmm"))
+    last = next(i for i, name in enumerate(names) if i > first and name.endswith("_relu"))
+    segment = Segment(tuple(names[first:last + 1]), recompute_ms=0.0, recompute_flops=0)
+    held = simulate(dataclasses.replace(graph, range_end_saves_held=True), [segment]).peak_bytes
+    freed = simulate(dataclasses.replace(graph, range_end_saves_held=False), [segment]).peak_bytes
+    plan = Plan(budget_bytes=held, predicted_peak_bytes=held, unoptimized_peak_bytes=graph.measured_peak_bytes,
+                segments=(segment,), forward_ms=0.0, step_ms=0.0, forward_flops=0, solver="test", solve_s=0.0)
+    measured = measure_step_peak_bytes(BreakCheckpointedModule(model, plan, segment_regions(plan),
+                                                               expected_ops=graph.metadata.get("op_names")),
+                                       StepInputs.from_example((x,)))
+    assert held - freed >= 2 * 2**20  # the ReLU's 2 MiB output, held to its backward
+    assert measured >= freed + 2**20, (measured, held, freed)  # the step does hold it
+    assert abs(measured - held) <= 0.03 * held, (measured, held, freed)

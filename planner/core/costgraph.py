@@ -164,6 +164,11 @@ class CostGraph:
     recompute where segments run as recorded op ranges (the graph-break path: recording the op
     in the forward, dispatching its replay; measured by :mod:`rewrite.region_overhead`; 0 on a
     captured graph, whose segments rerun their nodes as the forward does).
+    ``range_end_saves_held``: where segments run as recorded op ranges, what is saved after a
+    segment's last op dispatched (its outputs saved for its own backward, and the next op's
+    inputs, which the profile counts as the last node's saves) stays saved as tensors: the range
+    cannot tell the two apart, and the next op's must stay tensors.
+    :func:`planner.core.simulate.simulate` holds them until their backward.
     """
 
     nodes: tuple[CostNode, ...]
@@ -175,6 +180,7 @@ class CostGraph:
     selective_overhead_ms_per_node: float = 0.0
     segment_overhead_ms: float = 0.0
     range_overhead_ms_per_node: float = 0.0
+    range_end_saves_held: bool = False
     measured_peak_bytes: int | None = None
     output_held: bool = True
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -267,6 +267,13 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
             for k in facts.saved[i]:
                 if transfers is None or not transfers.take_hold(mem, k, i):
                     mem.hold(k)
+        elif graph.range_end_saves_held and i == seg_indices[s][-1]:
+            # what is saved after a recorded op range's last op stays a tensor: held from here,
+            # handed to the recompute as a selective policy's cache is
+            for k in facts.saved[i]:
+                if k not in persistent and k not in seg_inputs[s] and k not in cached[s]:
+                    cached[s].add(k)
+                    mem.hold(k)
         if node.kind == "compute":
             mem.observe("forward", node.name, max(0, node.forward_peak_bytes - new_bytes))
         for k in facts.made[i]:
