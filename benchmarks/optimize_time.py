@@ -84,11 +84,10 @@ How to read it:
   under the memory profiler that also measures the unoptimized peak, then the timing steps, or,
   where the cache holds the recorded ops' profile, the recording step alone) and *measure* the
   plans' measured steps.
-- Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs), then the warm
-  timing passes (`timing_repeats` = 2, the first of them the step under the memory profiler,
-  more while they spread by over 25 %, the slowest of the first two dropped once; the step's time
-  is taken from them). The step under the memory profiler (per-node temporaries, node times and
-  the step's peak) is the measured unoptimized step, under *measure*.
+- Profiling is one profiling forward (shapes, storages, saved tensors, FLOPs); the node times
+  and the step's time come from the step under the memory profiler alone (`timing_repeats` at
+  its default: per-node temporaries, node times, shares after the last save and the step's
+  peak), which is the measured unoptimized step, under *measure*.
 - Times are wall clock on a shared 2-core machine: a busy neighbour lengthens the step and the
   call alike, so the ratio moves less than either.
 """

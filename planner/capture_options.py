@@ -36,7 +36,9 @@ class CaptureOptions:
                                          "capture fails, graph-breaks, then modules), graph-breaks (the ops of the "
                                          "eager step, for models with graph breaks) or modules (submodule calls, "
                                          "coarser)")
-    timing_repeats: int = option(2, "warm training steps each node is timed in (more while they disagree)")
+    timing_repeats: int | None = option(None, "warm training steps each node is timed in, more while they disagree "
+                                              "(None: the captured step's memory pass alone on CPU, two on CUDA and "
+                                              "on the graph-break and module paths)")
     cache_dir: str | None = option("auto", "a folder for profiles (auto: $CKPT_PLANNER_CACHE_DIR or "
                                            "~/.cache/ckpt-planner/profiles; None: none): the same model again "
                                            "skips profiling and gets the same plan")
@@ -76,9 +78,9 @@ class CaptureOptions:
     def __post_init__(self) -> None:
         if self.trace_method not in CAPTURE_METHODS:
             raise InputError(f"trace_method must be one of {CAPTURE_METHODS}, got {self.trace_method!r}")
-        if isinstance(self.timing_repeats, bool) or not isinstance(self.timing_repeats, int) or \
-                self.timing_repeats < 1:
-            raise InputError(f"timing_repeats must be a positive integer, got {self.timing_repeats!r}")
+        if self.timing_repeats is not None and (isinstance(self.timing_repeats, bool) or
+                                                not isinstance(self.timing_repeats, int) or self.timing_repeats < 1):
+            raise InputError(f"timing_repeats must be a positive integer or None, got {self.timing_repeats!r}")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise InputError(f"loss_fn must be a callable taking the model's output and returning the loss, "
                              f"got {type(self.loss_fn).__name__}")

@@ -61,7 +61,7 @@ def check_method_applies(trace_method: str, module: Any) -> None:
 
 
 def profile_on_a_path(module: Any, inputs: StepInputs, trace_method: str, *, capture: Callable[[], Any],
-                      profile: Callable[[Any], CostGraph], step: TrainingStep, timing_repeats: int = 2,
+                      profile: Callable[[Any], CostGraph], step: TrainingStep, timing_repeats: int | None = None,
                       fake_only: str | None = None) -> Profiled:
     """Profile ``module`` on the path ``trace_method`` names: a capture method (``export``,
     ``symbolic_trace``) runs ``capture()`` and ``profile(captured)``, and where the capture
@@ -87,7 +87,7 @@ def profile_on_a_path(module: Any, inputs: StepInputs, trace_method: str, *, cap
     return Profiled(profile(captured), "graph", captured=captured)
 
 
-def _fallback(module: Any, inputs: StepInputs, step: TrainingStep, timing_repeats: int, failure: str,
+def _fallback(module: Any, inputs: StepInputs, step: TrainingStep, timing_repeats: int | None, failure: str,
               error: TraceError) -> Profiled:
     """The graph-break path's profile or, where it fails, the module path's."""
     log.warning("%s; planning over the ops of its eager step instead (--trace-method graph-breaks skips the "
@@ -107,7 +107,7 @@ def _fallback(module: Any, inputs: StepInputs, step: TrainingStep, timing_repeat
 
 
 def _uncaptured_profile(module: Any, inputs: StepInputs, path: str, step: TrainingStep,
-                        timing_repeats: int) -> CostGraph:
+                        timing_repeats: int | None) -> CostGraph:
     """The graph-break or module path's profile, its metadata saying what it ran on."""
     if path == "graph-breaks":
         graph = profile_op_stream(module, inputs, timing_repeats=timing_repeats, step=step)

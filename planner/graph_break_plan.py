@@ -69,7 +69,7 @@ def graph_break_plan(graph: CostGraph, budget_gb: float, options: PlanOptions = 
 
 
 def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                      timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None,
+                      timing_repeats: int | None = CaptureOptions.timing_repeats, step: Any = None,
                       cache_dir: str | None = None) -> Any:
     """Plan ``model`` over the ATen ops of its step for ``budget_gb`` and return the checkpointed
     module (:class:`rewrite.graph_breaks.BreakCheckpointedModule`) whose measured step peak is
@@ -113,7 +113,7 @@ def plan_graph_breaks(model: Any, example_inputs: Any, budget_gb: float, options
                                    signature=input_signature(inputs.args, inputs.kwargs), replan=replan)
 
 
-def _op_stream_profile(model: Any, inputs: Any, timing_repeats: int, step: Any, cache_dir: str | None) -> CostGraph:
+def _op_stream_profile(model: Any, inputs: Any, timing_repeats: int | None, step: Any, cache_dir: str | None) -> CostGraph:
     """The op-stream profile of ``model``'s step on ``inputs``, with each op of a recomputed range
     priced for its recording and replay in Python."""
     graph = profile_op_stream(model, inputs, timing_repeats=timing_repeats, step=step, cache_dir=cache_dir)

@@ -64,7 +64,7 @@ def _budget_for(peak_bytes: int, options: PlanOptions) -> int:
 
 
 def plan_modules(model: Any, example_inputs: Any, budget_gb: float, options: PlanOptions = PlanOptions(), *,
-                 timing_repeats: int = CaptureOptions.timing_repeats, step: Any = None) -> Any:
+                 timing_repeats: int | None = CaptureOptions.timing_repeats, step: Any = None) -> Any:
     """Plan ``model`` at module granularity for ``budget_gb`` and return the checkpointed module
     (:class:`rewrite.module_checkpoint.ModuleCheckpointedModule`) whose measured step peak is
     within the budget. ``step`` (a :class:`profiling.measure.TrainingStep`; None: the default)

@@ -58,7 +58,7 @@ def optimize(
     max_stages: int = PlanOptions.max_stages,
     solver: str | None = PlanOptions.solver,
     time_limit_s: float = PlanOptions.time_limit_s,
-    timing_repeats: int = CaptureOptions.timing_repeats,
+    timing_repeats: int | None = CaptureOptions.timing_repeats,
     safety_margin: float = PlanOptions.safety_margin,
     selective: bool = PlanOptions.selective,
     world_size: int = PlanOptions.world_size,
@@ -101,9 +101,11 @@ def optimize(
             programming over the stage chain, the rest (selective plans, the smallest peak) by
             the best installed MILP solver; ``"HiGHS"`` or ``"CBC"``: that MILP solver for all.
         time_limit_s: solver time limit per ILP solve (a plan takes several).
-        timing_repeats: warm training steps each node is timed in, more while they disagree
-            (after the step that measures temporaries); the median is used, twin ops of
-            other layers pooled (:mod:`profiling.node_times`; docs/tuning.md says why 2).
+        timing_repeats: warm training steps each node is timed in, more while they disagree; the
+            median is used, twin ops of other layers pooled (:mod:`profiling.node_times`). None
+            (default): on CPU the step that measures temporaries alone, which times every node
+            (docs/tuning.md#cpu_timing_passes says why one); two on CUDA, and on the graph-break
+            and module paths, whose memory step times nothing.
         safety_margin: fraction of the budget kept free for what the memory model does not see
             (allocator rounding, small temporaries); the plan's predicted peak stays below
             ``budget * (1 - safety_margin)``.

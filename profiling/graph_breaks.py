@@ -50,6 +50,9 @@ __all__ = ["OpRecord", "profile_op_stream", "op_node_index", "BREAK_OPS"]
 
 log = logging.getLogger(__name__)
 
+#: Timing steps of an op-stream profile where ``timing_repeats`` is None (docs/tuning.md#timing_repeats).
+OP_STREAM_TIMING_PASSES = 2
+
 #: Ops whose result Python reads as data (a scalar, or a shape that depends on values): where
 #: Dynamo and ``torch.export`` break the graph.
 BREAK_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique_dim",
@@ -245,7 +248,7 @@ def _record_step(model: torch.nn.Module, inputs: StepInputs, step: TrainingStep)
     return recorder
 
 
-def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2,
+def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int | None = None,
                       step: TrainingStep | None = None, cache_dir: str | os.PathLike[str] | None = None) -> CostGraph:
     """One :class:`CostGraph` for ``model``'s training step as the ATen ops it dispatches.
 
@@ -266,6 +269,8 @@ def profile_op_stream(model: torch.nn.Module, example_inputs: Any, *, timing_rep
         >>> first.metadata["cache"], again.metadata["cache"], again.nodes == first.nodes
         ('miss', 'hit', True)
     """
+    # its memory step times nothing: two timing steps of their own where none is asked for
+    timing_repeats = OP_STREAM_TIMING_PASSES if timing_repeats is None else timing_repeats
     step = step if step is not None else TrainingStep()
     inputs = example_inputs if isinstance(example_inputs, StepInputs) else StepInputs.from_example(example_inputs)
     first = _record_step(model, inputs, step)

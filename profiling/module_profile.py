@@ -36,6 +36,9 @@ __all__ = ["ModuleCall", "ModuleUnit", "ModuleProfile", "profile_modules", "choo
 
 log = logging.getLogger(__name__)
 
+#: Timed steps of a module-call profile where ``timing_repeats`` is None (docs/tuning.md#timing_repeats).
+MODULE_TIMING_PASSES = 2
+
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
@@ -231,9 +234,9 @@ def choose_units(model: torch.nn.Module, calls: list[ModuleCall]) -> tuple[Modul
                  for i in chosen)
 
 
-def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int = 2,
+def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int | None = None,
                     step: TrainingStep = TrainingStep()) -> ModuleProfile:
-    """Run ``timing_repeats`` + 1 training steps of ``model`` with module and saved-tensor hooks,
+    """Run ``timing_repeats`` (None: :data:`MODULE_TIMING_PASSES`) + 1 training steps of ``model`` with module and saved-tensor hooks,
     without side effects (RNG, buffers, ``.grad`` restored); the first records the call tree and
     storages, all of them each unit's forward time (median).
 
@@ -243,6 +246,7 @@ def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repea
             on a rerun).
     """
     inputs = StepInputs.from_example(example_inputs)
+    timing_repeats = MODULE_TIMING_PASSES if timing_repeats is None else timing_repeats
     recorders: list[_Recorder] = []
     step_ms: list[float] = []
     with preserved_state(model):

@@ -81,6 +81,9 @@ class TimedPass:
 
     node_times_ms: dict[str, float]
     backward_ms: float
+    #: each node that saved a tensor for backward: the share of its time after its last save
+    #: (:func:`after_last_save_shares`); empty where that pass did not note them
+    after_last_save_share: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def pass_spread(totals_ms: list[float]) -> float:
@@ -150,6 +153,18 @@ def _share(start: float, last_save: float, end: float) -> float:
     return min(1.0, max(0.0, (end - last_save) / (end - start))) if end > start else 0.0
 
 
+def after_last_save_shares(marks: dict[str, list[float]]) -> dict[str, float]:
+    """Per node, the share of its wall time after autograd's last save while it ran, from its
+    marks ``[start, end]`` or ``[start, end, last save]`` (seconds on one clock); nodes that saved
+    nothing get none.
+
+    Example:
+        >>> after_last_save_shares({"attention": [0.0, 4.0, 3.0], "view": [4.0, 4.5]})
+        {'attention': 0.25}
+    """
+    return {name: _share(m[0], m[2], m[1]) for name, m in marks.items() if len(m) > 2}
+
+
 class _NodeTimer(torch.fx.Interpreter):
     """An interpreter that adds each node's time to ``times_ms`` and, for ``split_nodes``, the
     share after its last save to ``shares``; values are freed after their last use, as in the
@@ -212,9 +227,9 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
     that pass is dropped and one more timed instead. RNG state, buffers and ``.grad`` of ``gm`` are restored afterwards.
 
     ``first_pass``: a step of ``gm`` already timed node by node (the memory profiler's), counted
-    as the first of the ``repeats`` passes; it times no share after a last save, so with
-    ``split_nodes`` one pass at least is timed here; a pass that misses a node this one times is
-    not counted.
+    as the first of the ``repeats`` passes, shares and all where it noted every one of
+    ``split_nodes`` (else one pass at least is timed here for them); a pass that misses a node
+    this one times is not counted.
     """
     times_ms: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
@@ -226,15 +241,18 @@ def time_nodes_in_passes(gm: torch.fx.GraphModule, flat_inputs: list[Any], repea
         times_ms = {name: [first_pass.node_times_ms[name]] for name in timed}
         backward_ms.append(first_pass.backward_ms)
         passes = 1
-    borrowed = passes  # the pass timed elsewhere, while it is kept: it timed no shares
+        if all(name in first_pass.after_last_save_share for name in split_nodes):
+            shares = {name: [first_pass.after_last_save_share[name]] for name in split_nodes}
+    # the pass timed elsewhere, while it is kept, where it timed no shares
+    borrowed = passes if split_nodes and not shares else 0
 
     def spread() -> float:
         return max(pass_spread(_pass_totals(times_ms)), pass_spread(_step_totals(times_ms, backward_ms)))
 
     with preserved_state(gm):
         dropped = False
-        # shares are timed only here: with split nodes, at least one pass of its own is kept
-        while (warm_up or passes < repeats or (split_nodes and passes == borrowed)
+        # where the borrowed pass timed no shares, at least one pass of its own is kept
+        while (warm_up or passes < repeats or (borrowed and passes == borrowed)
                or (passes < MAX_TIMING_PASSES and spread() > TIMING_SPREAD_LIMIT)):
             slow = _slow_early_pass(_step_totals(times_ms, backward_ms)) if passes >= max(2, repeats) else None
             if not dropped and slow is not None:

@@ -64,9 +64,16 @@ from profiling.progress import NodeProgress
 from profiling.progress import log as progress_log
 from profiling.temporaries import FakeAllocationTracker, NodePeaks, measure_node_peaks
 
-__all__ = ["profile_graph", "flat_graph_inputs", "measure_unoptimized_step", "UnoptimizedStep"]
+__all__ = ["profile_graph", "flat_graph_inputs", "measure_unoptimized_step", "UnoptimizedStep", "CPU_TIMING_PASSES",
+           "CUDA_TIMING_PASSES"]
 
 log = logging.getLogger(__name__)
+
+#: Timed passes of a captured step where ``timing_repeats`` is None, on CPU: the memory pass alone,
+#: which times every node and its share after its last save (docs/tuning.md#cpu_timing_passes).
+CPU_TIMING_PASSES = 1
+#: The same on CUDA, where the memory pass times nothing (the kernels run after the host's ranges).
+CUDA_TIMING_PASSES = 2
 
 
 def pool_repeated_op_times(records: dict[str, dict[str, Any]]) -> int:
@@ -140,7 +147,7 @@ def profile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Any,
     *,
-    timing_repeats: int = 2,
+    timing_repeats: int | None = None,
     measure_peak: bool = True,
     step_repeats: int = 3,
     fake: bool = False,
@@ -155,8 +162,9 @@ def profile_graph(
     :mod:`profiling.criterion`) and the output dropped before the backward unless
     ``step.output_held`` (``CostGraph.output_held``).
 
-    Each node's time is its median over ``timing_repeats`` training steps run node by node,
-    the step that measures temporaries the first of them on CPU
+    Each node's time is its median over ``timing_repeats`` training steps run node by node
+    (None: :data:`CPU_TIMING_PASSES` on CPU, :data:`CUDA_TIMING_PASSES` on CUDA), the step that
+    measures temporaries the first of them on CPU
     (:func:`profiling.node_times.time_nodes_in_passes`, which drops a slow first pass once; on CUDA, GPU time
     with the forward queued ahead of the GPU, :func:`profiling.node_times.time_nodes_on_cuda`);
     nodes running the same op on the same shapes (one per layer in a transformer) then get the median
@@ -266,6 +274,8 @@ def profile_graph(
             peaks = measure_node_peaks(gm, inputs, step, loss_node)
         else:
             peaks = node_peaks
+        if timing_repeats is None:
+            timing_repeats = CUDA_TIMING_PASSES if device.type == "cuda" else CPU_TIMING_PASSES
         node_times, step_times = _measured_times(gm, flat, inputs, device, timing_repeats, split, step_repeats, step,
                                                  peaks.timed_pass)
         step_ms = statistics.median(step_times)

@@ -47,7 +47,7 @@ from profiling.measure import (
     profiled_step_peak_bytes,
     unflatten_output,
 )
-from profiling.node_times import TimedPass
+from profiling.node_times import TimedPass, after_last_save_shares
 
 __all__ = ["measure_node_peaks", "NodePeaks", "FakeAllocationTracker"]
 
@@ -55,10 +55,39 @@ _PREFIX = "fxnode::"
 _BACKWARD = "autograd::engine::evaluate_function:"
 
 
+class _SaveClock:
+    """Wall-clock marks of each node: ``[start, end]``, and the last save autograd made while it
+    ran where it made one (:func:`profiling.node_times.after_last_save_shares`). Its ``pack`` is
+    the saved-tensor hook, so the saved tensors reach this object alone, not the interpreter's
+    values."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, list[float]] = {}
+        self.running: list[float] | None = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.running is not None:
+            self.running[2:] = [time.perf_counter()]
+        # a detached alias, as autograd itself keeps: the tensor saved by its own grad_fn would
+        # close a loop that holds it past its last use
+        return t.detach()
+
+
 class _LabelledInterpreter(torch.fx.Interpreter):
+    """Runs each node inside a profiler range named after it, its marks on ``clock``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, clock: _SaveClock) -> None:
+        super().__init__(gm)
+        self.clock = clock
+
     def run_node(self, n: torch.fx.Node) -> Any:
         with torch.profiler.record_function(_PREFIX + n.name):
-            return super().run_node(n)
+            running = self.clock.running = [time.perf_counter(), 0.0]
+            try:
+                return super().run_node(n)
+            finally:
+                running[1] = time.perf_counter()
+                self.clock.marks[n.name], self.clock.running = running, None
 
 
 def window_peaks(allocations: list[tuple[int, int]]) -> Callable[[int, int], int]:
@@ -115,8 +144,11 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
     them; the output dropped before the backward unless ``step.output_held``). The loss's own
     ops are measured under the name ``loss_node`` (:mod:`profiling.criterion`)."""
     flat = flat_graph_inputs(gm, inputs)
+    clock = _SaveClock()
     with preserved_state(gm), memory_profile() as prof:
-        flat_out = _LabelledInterpreter(gm).run(*flat, enable_io_processing=False)
+        # the pack hook returns an alias of each saved tensor: what the step holds is unchanged
+        with torch.autograd.graph.saved_tensors_hooks(clock.pack, lambda t: t):
+            flat_out = _LabelledInterpreter(gm, clock).run(*flat, enable_io_processing=False)
         output = unflatten_output(gm, flat_out)
         with torch.profiler.record_function(_PREFIX + loss_node):
             loss = step.loss(output)
@@ -156,7 +188,8 @@ def measure_node_peaks(gm: torch.fx.GraphModule, inputs: StepInputs, step: Train
             windows[name] = (min(lo, event.start_time_ns), max(hi, event.end_time_ns))
     backward = {name: peak_in(lo, hi) for name, (lo, hi) in windows.items()}
     # the profiler's ranges time the host; on a GPU the kernels run later, so no timed pass there
-    timed = TimedPass(forward_ms, backward_ms) if device_type == "cpu" else None
+    timed = TimedPass(forward_ms, backward_ms, after_last_save_shares(clock.marks)) \
+        if device_type == "cpu" else None
     return NodePeaks(forward, backward, step_peak_bytes, timed)
 
 

@@ -212,6 +212,7 @@ def test_share_of_forward_after_the_last_save_is_measured():
     model, inputs = Block(), (torch.randn(32, 16, requires_grad=True),)
     gm = trace_module(model, inputs)
     graph = profile_graph(gm, inputs, timing_repeats=1, measure_peak=False)
+    assert graph.metadata["timing_passes"] == 1  # the memory pass alone timed the nodes and the share
     (relu,) = nodes_by_op(graph, "relu")
     (attention,) = nodes_by_op(graph, "scaled_dot_product_attention")
     assert [n.after_last_save_fraction for n in nodes_by_op(graph, "linear")] == [1.0, 1.0]
@@ -234,6 +235,14 @@ def test_share_of_forward_after_the_last_save_is_measured():
         segment = tuple(names[start : names.index(end) + 1])
         plan = Plan(0, 0, 0, (Segment(segment, 0.0, 0),), 0.0, 0.0, 0, "test", 0.0)
         assert step_flops(apply_plan(copy.deepcopy(gm), plan)) - base == rerun_cost(graph, segment)[1], end
+
+
+def test_by_default_a_cpu_profile_times_its_nodes_in_the_memory_pass_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    graph = profile_graph(trace_module(model, (x,)), (x,))
+    assert graph.metadata["timing_passes"] == 1 and graph.step_ms > 0.0
+    assert all(n.time_ms > 0.0 for n in graph.compute_nodes)
 
 
 def test_a_tensor_saved_under_the_recorder_is_freed_without_a_backward():

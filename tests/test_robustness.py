@@ -21,6 +21,7 @@ from planner.sweep import sweep
 from profiling import StepInputs, measure_step_peak_bytes
 from profiling.node_times import MAX_TIMING_PASSES, TIMING_SPREAD_LIMIT, TimedPass, time_nodes_in_passes
 from profiling.profile import profile_graph
+from profiling.temporaries import measure_node_peaks
 from profiling.trace import prepare_saved_program, trace_module
 
 
@@ -208,11 +209,38 @@ def test_a_pass_timed_elsewhere_counts_as_the_first():
                                  split_nodes={"relu"})
     assert len(calls) == 2 * per_pass and times.passes == 2 and 0.0 <= times.after_last_save_share["relu"] <= 1.0
 
+    # the pass timed elsewhere noted the share too: with one pass asked for, it is the only one
+    noted = TimedPass(steady_first.node_times_ms, 1.0, {"relu": 0.5})
+    timer, calls = _counting_timer(range(0))
+    times = time_nodes_in_passes(gm, [x], repeats=1, timer=timer, warm_up=False, first_pass=noted,
+                                 split_nodes={"relu"})
+    assert calls == [] and times.passes == 1 and times.after_last_save_share == {"relu": 0.5}
+
     # a pass that did not time every node is not counted
     partial = TimedPass({names[0]: 1.0}, 1.0)
     timer, calls = _counting_timer(range(0))
     times = time_nodes_in_passes(gm, [x], repeats=2, timer=timer, warm_up=False, first_pass=partial)
     assert len(calls) == 2 * per_pass and times.passes == 2
+
+
+def test_the_memory_pass_notes_each_saving_node_share_after_its_last_save():
+    # exp saves its output as it ends; a matmul saves both inputs before it multiplies
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(256, 256))
+
+        def forward(self, x):
+            return (x @ self.w).exp().view(-1)
+
+    x = torch.randn(256, 256)
+    gm = trace_module(Model(), (x,))
+    peaks = measure_node_peaks(gm, StepInputs.from_example((x,)))
+    shares = peaks.timed_pass.after_last_save_share
+    saving = {n.name for n in gm.graph.nodes if "mm" in str(n.target) or "exp" in str(n.target)}
+    assert saving and saving <= set(shares) and all(0.0 <= shares[name] <= 1.0 for name in saving)
+    assert not any("view" in name for name in shares)  # saves nothing, so no share
+    assert peaks.step_peak_bytes == measure_step_peak_bytes(gm, StepInputs.from_example((x,)))
 
 
 def test_a_profile_records_how_steady_its_timings_were():
