@@ -514,3 +514,33 @@ def test_a_range_ending_on_an_op_that_saves_its_output_is_predicted_with_that_sa
     assert held - freed >= 2 * 2**20  # the ReLU's 2 MiB output, held to its backward
     assert measured >= freed + 2**20, (measured, held, freed)  # the step does hold it
     assert abs(measured - held) <= 0.03 * held, (measured, held, freed)
+
+
+def test_a_range_ending_on_an_op_that_saves_its_inputs_recomputes_them():
+    """The inputs a range's last op saves are saved before it runs, inside the range: a range
+    ending on a linear recomputes the ReLU output the linear saves, and the prediction (which
+    holds only the last op's saved outputs, ``range_end_saves_held``) matches the measured step."""
+    import dataclasses
+
+    from planner.core.plan import Plan, Segment
+    from planner.core.simulate import simulate
+    from rewrite.graph_breaks import segment_regions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    x = torch.randn(4096, 64)
+    graph = dataclasses.replace(profile_op_stream(model, (x,), timing_repeats=1), range_end_saves_held=True)
+    names = [n.name for n in graph.nodes if n.kind == "compute"]
+    linears = [i for i, name in enumerate(names) if name.endswith("_addmm")]
+    segment = Segment(tuple(names[linears[0]:linears[1] + 1]), recompute_ms=0.0, recompute_flops=0)
+    last = graph.node(names[linears[1]])
+    assert set(last.saved_storages) - set(last.output_storages)  # the linear saves the ReLU's 8 MiB output
+    predicted = simulate(graph, [segment]).peak_bytes
+    plan = Plan(budget_bytes=predicted, predicted_peak_bytes=predicted, unoptimized_peak_bytes=graph.measured_peak_bytes,
+                segments=(segment,), forward_ms=0.0, step_ms=0.0, forward_flops=0, solver="test", solve_s=0.0)
+    measured = measure_step_peak_bytes(BreakCheckpointedModule(model, plan, segment_regions(plan),
+                                                               expected_ops=graph.metadata.get("op_names")),
+                                       StepInputs.from_example((x,)))
+    assert measured < graph.measured_peak_bytes - 4 * 2**20  # the range does free that output
+    assert abs(measured - predicted) < 2**20, (measured, predicted)  # held, it would be 8 MiB over

@@ -165,10 +165,11 @@ class CostGraph:
     in the forward, dispatching its replay; measured by :mod:`rewrite.region_overhead`; 0 on a
     captured graph, whose segments rerun their nodes as the forward does).
     ``range_end_saves_held``: where segments run as recorded op ranges, what is saved after a
-    segment's last op dispatched (its outputs saved for its own backward, and the next op's
-    inputs, which the profile counts as the last node's saves) stays saved as tensors: the range
-    cannot tell the two apart, and the next op's must stay tensors.
-    :func:`planner.core.simulate.simulate` holds them until their backward.
+    segment's last op dispatched (its outputs saved for its own backward, and the same tensors
+    saved by the next op, which the profile counts as the last node's saves) stays saved as
+    tensors: the range cannot tell the two apart, and the next op's must stay tensors.
+    :func:`planner.core.simulate.simulate` holds them until their backward. The inputs the last op
+    saves are saved before it runs, inside the range, and are recomputed like the rest.
     """
 
     nodes: tuple[CostNode, ...]

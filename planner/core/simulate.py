@@ -269,9 +269,11 @@ def replay_plan(graph: CostGraph, segments: Iterable[Sequence[str] | Segment], m
                     mem.hold(k)
         elif graph.range_end_saves_held and i == seg_indices[s][-1]:
             # what is saved after a recorded op range's last op stays a tensor: held from here,
-            # handed to the recompute as a selective policy's cache is
+            # handed to the recompute as a selective policy's cache is. Those are its outputs;
+            # the inputs it saves are saved before it runs, inside the range, and recomputed
+            outputs = set(node.output_storages)
             for k in facts.saved[i]:
-                if k not in persistent and k not in seg_inputs[s] and k not in cached[s]:
+                if k in outputs and k not in persistent and k not in seg_inputs[s] and k not in cached[s]:
                     cached[s].add(k)
                     mem.hold(k)
         if node.kind == "compute":
