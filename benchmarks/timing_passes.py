@@ -33,13 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_output_arguments, benchmark_logging, publish_table  # noqa: E402
 from corpus_models import FAMILIES  # noqa: E402
+from plan_stability import plan_cost_ms  # noqa: E402
 from publish import markdown_table  # noqa: E402
 
 from planner.budget_plan import plan_for_budget  # noqa: E402
 from planner.core.costgraph import CostGraph  # noqa: E402
 from planner.core.errors import InfeasibleBudgetError  # noqa: E402
 from planner.core.options import PlanOptions  # noqa: E402
-from planner.core.rerun import rerun_cost  # noqa: E402
 
 log = logging.getLogger("timing_passes")
 
@@ -89,7 +89,7 @@ def _plan_cost_ms(graph: CostGraph, budget_bytes: int, priced_on: CostGraph) -> 
         plan = plan_for_budget(graph, budget_bytes / 2**30, PlanOptions())
     except InfeasibleBudgetError as refusal:
         plan = plan_for_budget(graph, refusal.min_feasible_bytes / 2**30, PlanOptions())
-    return sum(rerun_cost(priced_on, s.node_names, s.kept_nodes)[0] for s in plan.segments)
+    return plan_cost_ms(priced_on, plan)
 
 
 def family_rows(name: str, runs: list[dict[str, Any]]) -> list[list[str]]:
