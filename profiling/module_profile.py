@@ -236,9 +236,9 @@ def choose_units(model: torch.nn.Module, calls: list[ModuleCall]) -> tuple[Modul
 
 def profile_modules(model: torch.nn.Module, example_inputs: Any, *, timing_repeats: int | None = None,
                     step: TrainingStep = TrainingStep()) -> ModuleProfile:
-    """Run ``timing_repeats`` (None: :data:`MODULE_TIMING_PASSES`) + 1 training steps of ``model`` with module and saved-tensor hooks,
-    without side effects (RNG, buffers, ``.grad`` restored); the first records the call tree and
-    storages, all of them each unit's forward time (median).
+    """Run ``timing_repeats`` (None: :data:`MODULE_TIMING_PASSES`) + 1 training steps of ``model``
+    with module and saved-tensor hooks, without side effects (RNG, buffers, ``.grad`` restored);
+    the first records the call tree and storages, all of them each unit's forward time (median).
 
     Raises:
         ProfileError: the training step fails when run eagerly, the forward calls no module, or
